@@ -1,0 +1,182 @@
+//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`.
+//!
+//! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use bson::Document;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::clock::ServerClock;
+use crate::config::{Config, LogFormat};
+use crate::record::TimeoutRecord;
+use crate::store::{Store, server_time_in};
+use crate::{daemon, shutdown};
+
+/// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
+#[derive(Debug, Parser)]
+#[command(name = "timeoutd", version, about)]
+pub struct Cli {
+    /// Config file [default: config/timeoutd.toml if it exists, else /etc/timeoutd/timeoutd.toml]
+    #[arg(long, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon in the foreground until SIGTERM or SIGINT.
+    Run,
+    /// Load and validate the configuration, print it with passwords hidden.
+    CheckConfig,
+    /// Insert one ServiceConnect-shaped timeout record; prints its id.
+    Schedule {
+        /// Queue the TimeoutMessage is sent to.
+        #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
+        destination: String,
+        /// The process manager's id (becomes the message's CorrelationId).
+        #[arg(long, value_name = "UUID")]
+        correlation_id: Uuid,
+        /// How far from now (server clock) it falls due, e.g. 5s, 250ms, 2h.
+        #[arg(long = "in", value_name = "DURATION", value_parser = humantime::parse_duration)]
+        delay: Duration,
+        /// A custom header to forward, repeatable.
+        #[arg(long = "header", value_name = "K=V", value_parser = parse_header)]
+        headers: Vec<(String, String)>,
+    },
+    /// Counts of pending, due, leased and expired-lease records, and the oldest due age.
+    Stats {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Free expired leases once and print how many.
+    Reap,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("`{s}` is not KEY=VALUE")),
+    }
+}
+
+/// Runs a parsed command line and returns the process exit code.
+pub fn main(cli: Cli) -> ExitCode {
+    let config = match Config::load(cli.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Command::CheckConfig = cli.command {
+        print!("{}", config.to_redacted_toml());
+        return ExitCode::SUCCESS;
+    }
+    init_logging(&config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("timeoutd: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(execute(cli.command, config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("timeoutd: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log.format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+async fn connected_store(config: &Config) -> anyhow::Result<Store> {
+    let store = Store::connect(&config.mongodb, ServerClock::default()).await?;
+    store
+        .refresh_clock()
+        .await
+        .context("cannot reach MongoDB")?;
+    Ok(store)
+}
+
+async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
+    match command {
+        Command::CheckConfig => Ok(()),
+        Command::Run => {
+            let token = CancellationToken::new();
+            let signals = tokio::spawn(shutdown::on_signal(token.clone()));
+            let result = daemon::run(config, token.clone()).await;
+            token.cancel();
+            let _ = signals.await;
+            Ok(result?)
+        }
+        Command::Schedule {
+            destination,
+            correlation_id,
+            delay,
+            headers,
+        } => {
+            let store = connected_store(&config).await?;
+            let mut header_doc = Document::new();
+            for (k, v) in headers {
+                header_doc.insert(k, v);
+            }
+            let record = TimeoutRecord {
+                id: Uuid::new_v4(),
+                destination,
+                process_manager_id: correlation_id,
+                due: server_time_in(store.clock(), delay),
+                headers: header_doc,
+            };
+            store.insert(&record).await.context("insert failed")?;
+            println!("{}", record.id);
+            Ok(())
+        }
+        Command::Stats { json } => {
+            let store = connected_store(&config).await?;
+            let stats = store.stats().await?;
+            if json {
+                println!("{}", serde_json::to_string(&stats)?);
+            } else {
+                println!("pending         {}", stats.pending);
+                println!("due             {}", stats.due);
+                println!("leased          {}", stats.leased);
+                println!("expired_leases  {}", stats.expired_leases);
+                match stats.oldest_due_age_seconds {
+                    Some(age) => println!("oldest_due_age  {age:.3}s"),
+                    None => println!("oldest_due_age  -"),
+                }
+            }
+            Ok(())
+        }
+        Command::Reap => {
+            let store = connected_store(&config).await?;
+            let freed = store.reap().await?;
+            println!("freed {freed} expired leases");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,549 @@
+//! Configuration: the TOML file, `TIMEOUTD_<SECTION>__<KEY>` environment overrides, defaults,
+//! and the validation rules that reject what cannot work.
+//!
+//! Every problem is reported with the dotted name of the key it concerns, so that an operator
+//! can fix a config from the error alone.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+/// The file used when `--config` is not given and it exists.
+pub const LOCAL_CONFIG_PATH: &str = "config/timeoutd.toml";
+/// The file used when `--config` is not given and [`LOCAL_CONFIG_PATH`] does not exist.
+pub const SYSTEM_CONFIG_PATH: &str = "/etc/timeoutd/timeoutd.toml";
+/// Prefix of environment overrides: `TIMEOUTD_<SECTION>__<KEY>`.
+pub const ENV_PREFIX: &str = "TIMEOUTD_";
+
+/// ServiceConnect v7's assembly-qualified name of `TimeoutMessage`.
+pub const V7_FULL_TYPE_NAME: &str = "ServiceConnect.Interfaces.TimeoutMessage, ServiceConnect.Interfaces, Version=7.0.0.0, Culture=neutral, PublicKeyToken=null";
+
+/// The whole configuration, one struct per TOML section.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub mongodb: MongoConfig,
+    pub rabbitmq: RabbitConfig,
+    pub dispatch: DispatchConfig,
+    pub reaper: ReaperConfig,
+    pub http: HttpConfig,
+    pub log: LogConfig,
+}
+
+/// `[mongodb]`: where the ServiceConnect `Timeouts` collection lives.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MongoConfig {
+    pub uri: String,
+    pub database: String,
+    pub collection: String,
+    pub time_encoding: TimeEncoding,
+}
+
+impl Default for MongoConfig {
+    fn default() -> Self {
+        Self {
+            uri: "mongodb://127.0.0.1:27017".into(),
+            database: "RMessageBusPersistentStore".into(),
+            collection: "Timeouts".into(),
+            time_encoding: TimeEncoding::DotnetTicks,
+        }
+    }
+}
+
+/// How the `Time` field of a record is stored.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum TimeEncoding {
+    /// ServiceConnect v7: `[Int64 ticks, Int32 offsetMinutes]`, a .NET `DateTimeOffset`.
+    DotnetTicks,
+    /// A plain BSON Date (legacy 5.x writers, non-.NET producers).
+    Date,
+}
+
+/// `[rabbitmq]`: the broker and the shape of the message.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RabbitConfig {
+    pub uri: String,
+    pub source_address: String,
+    pub full_type_name: String,
+    pub message_id: MessageIdMode,
+    #[serde(with = "humantime_serde")]
+    pub publish_timeout: Duration,
+}
+
+impl Default for RabbitConfig {
+    fn default() -> Self {
+        Self {
+            uri: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            source_address: "timeoutd".into(),
+            full_type_name: V7_FULL_TYPE_NAME.into(),
+            message_id: MessageIdMode::Stable,
+            publish_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How the `MessageId` of each sent `TimeoutMessage` is chosen.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum MessageIdMode {
+    /// Derived from the record's `_id`: every re-send of one record carries the same id, and a
+    /// `TimeoutId` header is added, so receivers can drop duplicates.
+    Stable,
+    /// A fresh random UUID per send, as ServiceConnect v7 does.
+    Random,
+}
+
+/// `[dispatch]`: polling, batching and the lease.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DispatchConfig {
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    pub batch_size: u32,
+    #[serde(with = "humantime_serde")]
+    pub lock_lease: Duration,
+    #[serde(with = "humantime_serde")]
+    pub lease_safety_margin: Duration,
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_secs(1),
+            batch_size: 500,
+            lock_lease: Duration::from_secs(300),
+            lease_safety_margin: Duration::from_secs(2),
+            shutdown_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// `[reaper]`: freeing expired leases.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReaperConfig {
+    /// `lock_lease / 4` when absent.
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub interval: Option<Duration>,
+}
+
+/// `[http]`: metrics and health endpoints.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], 9464)),
+        }
+    }
+}
+
+/// `[log]`: level and format of the log lines.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub level: String,
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// The format of log lines.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    /// Human-readable, for terminals.
+    Text,
+    /// One JSON object a line, for Kubernetes and journald.
+    Json,
+}
+
+/// One problem found while loading or validating a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Dotted key, such as `dispatch.batch_size`; empty when the problem is not about one key.
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.key, self.message)
+        }
+    }
+}
+
+/// Every problem found in a configuration; displayed one per line.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ConfigError {
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "invalid configuration: {p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigError {
+    fn one(key: &str, message: impl Into<String>) -> Self {
+        Self {
+            problems: vec![Problem {
+                key: key.into(),
+                message: message.into(),
+            }],
+        }
+    }
+}
+
+/// Which file to read: the one given, else [`LOCAL_CONFIG_PATH`] when it exists, else
+/// [`SYSTEM_CONFIG_PATH`]. The second value says whether the file must exist.
+pub fn resolve_path(given: Option<&Path>) -> (PathBuf, bool) {
+    match given {
+        Some(p) => (p.to_path_buf(), true),
+        None if Path::new(LOCAL_CONFIG_PATH).exists() => (PathBuf::from(LOCAL_CONFIG_PATH), true),
+        None => (PathBuf::from(SYSTEM_CONFIG_PATH), false),
+    }
+}
+
+impl Config {
+    /// Loads defaults, then the file (if any), then `TIMEOUTD_*` environment overrides, then
+    /// validates. A missing default file is not an error: defaults and environment apply.
+    pub fn load(given: Option<&Path>) -> Result<Self, ConfigError> {
+        let (path, required) = resolve_path(given);
+        if required && !path.exists() {
+            return Err(ConfigError::one(
+                "",
+                format!("config file {} does not exist", path.display()),
+            ));
+        }
+        let env = Env::prefixed(ENV_PREFIX)
+            // Only `SECTION__KEY` names are configuration; `TIMEOUTD_TEST_MONGODB_URI` and the
+            // like belong to other tools.
+            .filter(|k| k.as_str().contains("__"))
+            .split("__");
+        let figment = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::file(&path))
+            .merge(env);
+        Self::from_figment(figment)
+    }
+
+    /// Parses a TOML string (with defaults for what it omits) and validates it.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        Self::from_figment(
+            Figment::from(Serialized::defaults(Config::default())).merge(Toml::string(text)),
+        )
+    }
+
+    fn from_figment(figment: Figment) -> Result<Self, ConfigError> {
+        let config: Config = figment.extract().map_err(|e| ConfigError {
+            problems: e.into_iter().map(figment_problem).collect(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The reaper's period: `[reaper] interval`, or a quarter of the lease.
+    pub fn reaper_interval(&self) -> Duration {
+        self.reaper.interval.unwrap_or(self.dispatch.lock_lease / 4)
+    }
+
+    /// Checks every rule and returns all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let mut bad = |key: &str, message: String| {
+            problems.push(Problem {
+                key: key.into(),
+                message,
+            })
+        };
+        let d = &self.dispatch;
+        for (key, value) in [
+            ("dispatch.poll_interval", d.poll_interval),
+            ("dispatch.lock_lease", d.lock_lease),
+            ("dispatch.lease_safety_margin", d.lease_safety_margin),
+            ("dispatch.shutdown_timeout", d.shutdown_timeout),
+            ("rabbitmq.publish_timeout", self.rabbitmq.publish_timeout),
+        ] {
+            if value.is_zero() {
+                bad(key, "must be greater than zero".into());
+            }
+        }
+        if d.batch_size == 0 {
+            bad("dispatch.batch_size", "must be greater than zero".into());
+        }
+        if d.lock_lease <= d.lease_safety_margin + d.poll_interval {
+            bad(
+                "dispatch.lock_lease",
+                format!(
+                    "must be larger than dispatch.lease_safety_margin + dispatch.poll_interval ({})",
+                    humantime::format_duration(d.lease_safety_margin + d.poll_interval)
+                ),
+            );
+        }
+        if let Some(i) = self.reaper.interval
+            && i.is_zero()
+        {
+            bad("reaper.interval", "must be greater than zero".into());
+        }
+        for (key, value) in [
+            ("mongodb.uri", &self.mongodb.uri),
+            ("mongodb.database", &self.mongodb.database),
+            ("mongodb.collection", &self.mongodb.collection),
+            ("rabbitmq.uri", &self.rabbitmq.uri),
+            ("rabbitmq.source_address", &self.rabbitmq.source_address),
+            ("rabbitmq.full_type_name", &self.rabbitmq.full_type_name),
+        ] {
+            if value.trim().is_empty() {
+                bad(key, "must not be empty".into());
+            }
+        }
+        if !has_scheme(&self.mongodb.uri, &["mongodb://", "mongodb+srv://"]) {
+            bad(
+                "mongodb.uri",
+                "must start with mongodb:// or mongodb+srv://".into(),
+            );
+        }
+        if uri_has_unacknowledged_write_concern(&self.mongodb.uri) {
+            bad(
+                "mongodb.uri",
+                "w=0 (unacknowledged writes) is refused: guarded deletes and releases would all look successful and lost leases would go unnoticed".into(),
+            );
+        }
+        if !has_scheme(&self.rabbitmq.uri, &["amqp://", "amqps://"]) {
+            bad("rabbitmq.uri", "must start with amqp:// or amqps://".into());
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
+            bad(
+                "log.level",
+                format!(
+                    "`{}` is not a level or filter (trace, debug, info, warn, error)",
+                    self.log.level
+                ),
+            );
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems })
+        }
+    }
+
+    /// The effective configuration as TOML, with passwords in URIs replaced by `***`.
+    pub fn to_redacted_toml(&self) -> String {
+        let mut shown = self.clone();
+        shown.mongodb.uri = redact_uri(&shown.mongodb.uri);
+        shown.rabbitmq.uri = redact_uri(&shown.rabbitmq.uri);
+        let mut text = toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# {e}\n"));
+        if self.reaper.interval.is_none() {
+            text = text.replace(
+                "[reaper]\n",
+                &format!(
+                    "[reaper]\n# interval = lock_lease / 4\ninterval = \"{}\"\n",
+                    humantime::format_duration(self.reaper_interval())
+                ),
+            );
+        }
+        text
+    }
+}
+
+fn figment_problem(e: figment::Error) -> Problem {
+    let key = e.path.join(".");
+    let source = e
+        .metadata
+        .as_ref()
+        .and_then(|m| m.source.as_ref().map(|s| format!(" (from {s})")))
+        .unwrap_or_default();
+    let message = match &e.kind {
+        figment::error::Kind::UnknownField(_, _) => "unknown key".to_string(),
+        kind => kind.to_string(),
+    };
+    Problem {
+        key,
+        message: format!("{message}{source}"),
+    }
+}
+
+/// Whether `uri` is empty (reported separately) or starts with one of `schemes`.
+fn has_scheme(uri: &str, schemes: &[&str]) -> bool {
+    uri.is_empty() || schemes.iter().any(|s| uri.starts_with(s))
+}
+
+/// Whether a MongoDB URI asks for `w=0`.
+fn uri_has_unacknowledged_write_concern(uri: &str) -> bool {
+    let Some((_, query)) = uri.split_once('?') else {
+        return false;
+    };
+    query.split('&').any(|kv| {
+        kv.split_once('=')
+            .is_some_and(|(k, v)| k.eq_ignore_ascii_case("w") && v.trim() == "0")
+    })
+}
+
+/// Replaces the password of a `scheme://user:password@host/...` URI with `***`.
+/// URIs without credentials are returned unchanged.
+pub fn redact_uri(uri: &str) -> String {
+    let Some(scheme_end) = uri.find("://") else {
+        return uri.to_string();
+    };
+    let rest = &uri[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let Some(at) = authority.rfind('@') else {
+        return uri.to_string();
+    };
+    let userinfo = &authority[..at];
+    let shown_userinfo = match userinfo.find(':') {
+        Some(colon) => format!("{}:***", &userinfo[..colon]),
+        None => userinfo.to_string(),
+    };
+    format!(
+        "{}{}{}",
+        &uri[..scheme_end + 3],
+        shown_userinfo,
+        &rest[at..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords_only() {
+        assert_eq!(
+            redact_uri("amqp://guest:secret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(
+            redact_uri("mongodb://u:p@ss@h1:1,h2:2/db?w=majority"),
+            "mongodb://u:***@h1:1,h2:2/db?w=majority"
+        );
+        assert_eq!(
+            redact_uri("mongodb://127.0.0.1:27017"),
+            "mongodb://127.0.0.1:27017"
+        );
+        assert_eq!(redact_uri("mongodb://user@h/"), "mongodb://user@h/");
+    }
+
+    #[test]
+    fn defaults_are_valid_and_reaper_defaults_to_quarter_lease() {
+        let c = Config::from_toml("").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.reaper_interval(), Duration::from_secs(75));
+    }
+
+    #[test]
+    fn durations_parse_humanely() {
+        let c = Config::from_toml(
+            "[dispatch]\npoll_interval = \"250ms\"\nlock_lease = \"5m\"\n[reaper]\ninterval = \"10s\"",
+        )
+        .unwrap();
+        assert_eq!(c.dispatch.poll_interval, Duration::from_millis(250));
+        assert_eq!(c.reaper_interval(), Duration::from_secs(10));
+    }
+
+    fn keys_of(text: &str) -> Vec<String> {
+        Config::from_toml(text)
+            .unwrap_err()
+            .problems
+            .into_iter()
+            .map(|p| p.key)
+            .collect()
+    }
+
+    #[test]
+    fn each_rule_names_its_key() {
+        assert_eq!(
+            keys_of("[dispatch]\nbatch_size = 0"),
+            ["dispatch.batch_size"]
+        );
+        assert_eq!(
+            keys_of("[dispatch]\nbatch_size = -5"),
+            ["dispatch.batch_size"]
+        );
+        assert_eq!(
+            keys_of("[dispatch]\npoll_interval = \"0s\""),
+            ["dispatch.poll_interval"]
+        );
+        assert_eq!(
+            keys_of("[dispatch]\npoll_interval = \"-1s\""),
+            ["dispatch.poll_interval"]
+        );
+        assert_eq!(
+            keys_of("[dispatch]\nlock_lease = \"3s\"\nlease_safety_margin = \"2s\""),
+            ["dispatch.lock_lease"]
+        );
+        assert_eq!(keys_of("[dispatch]\nbogus = 1"), ["dispatch.bogus"]);
+        assert_eq!(keys_of("[nosuch]\nx = 1"), ["nosuch"]);
+        assert_eq!(
+            keys_of("[mongodb]\ntime_encoding = \"unix\""),
+            ["mongodb.time_encoding"]
+        );
+        assert_eq!(
+            keys_of("[rabbitmq]\nmessage_id = \"sometimes\""),
+            ["rabbitmq.message_id"]
+        );
+        assert_eq!(keys_of("[log]\nformat = \"xml\""), ["log.format"]);
+        assert_eq!(keys_of("[reaper]\ninterval = \"0ms\""), ["reaper.interval"]);
+        assert_eq!(keys_of("[rabbitmq]\nuri = \"http://x\""), ["rabbitmq.uri"]);
+        assert_eq!(keys_of("[http]\nlisten = \"nope\""), ["http.listen"]);
+        assert_eq!(
+            keys_of("[mongodb]\nuri = \"mongodb://h/?retryWrites=true&w=0\""),
+            ["mongodb.uri"]
+        );
+    }
+
+    #[test]
+    fn reports_all_validation_problems_at_once() {
+        let e = Config::from_toml(
+            "[dispatch]\nbatch_size = 0\nshutdown_timeout = \"0s\"\n[rabbitmq]\npublish_timeout = \"0s\"",
+        )
+        .unwrap_err();
+        assert_eq!(e.problems.len(), 3, "{e}");
+        assert_eq!(e.to_string().lines().count(), 3);
+    }
+
+    #[test]
+    fn redacted_toml_hides_passwords_and_round_trips() {
+        let mut c = Config::default();
+        c.mongodb.uri = "mongodb://admin:hunter2@db:27017".into();
+        let text = c.to_redacted_toml();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("admin:***@db"));
+        let back = Config::from_toml(&text).unwrap();
+        assert_eq!(back.reaper_interval(), c.reaper_interval());
+        assert_eq!(back.dispatch, c.dispatch);
+    }
+}

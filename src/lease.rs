@@ -1,0 +1,225 @@
+//! The lease rules, all in one place.
+//!
+//! A claim takes a batch of due records under one fresh owner UUID with
+//! `LockExpiresAt = now + lease`. Every later write on a claimed record (delete after a
+//! confirmed publish, release after a failed one) is guarded by owner *and* live lease, so a
+//! worker whose lease expired can never delete or free a record another worker now holds.
+//! All instants are the database server's clock ([`crate::clock::ServerClock`]), put into the
+//! queries as literal values so that indexes serve them and every server accepts them.
+//!
+//! This module only builds filters and decides; [`crate::store`] runs the queries.
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document, doc};
+use uuid::Uuid;
+
+use crate::config::TimeEncoding;
+use crate::record::{field, ms_to_ticks, uuid_bson};
+
+/// A claim's owner and the instant its lease runs out (server clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub owner: Uuid,
+    pub expires_at: DateTime,
+}
+
+/// What to do with a claimed record just before publishing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrePublish {
+    /// Enough lease is left: publish.
+    Publish,
+    /// Less than the safety margin is left: a publish could outlive the lease, so release it
+    /// for another claim instead.
+    TooLittleLease,
+}
+
+impl Lease {
+    /// A new lease with a fresh random owner, running `lease` from `now`.
+    pub fn new(now: DateTime, lease: Duration) -> Self {
+        Self {
+            owner: Uuid::new_v4(),
+            expires_at: add(now, lease),
+        }
+    }
+
+    /// Time left at `now`; zero once expired.
+    pub fn remaining(&self, now: DateTime) -> Duration {
+        let ms = self.expires_at.timestamp_millis() - now.timestamp_millis();
+        Duration::from_millis(ms.max(0) as u64)
+    }
+
+    /// Whether the lease still holds at `now`.
+    pub fn is_live(&self, now: DateTime) -> bool {
+        now < self.expires_at
+    }
+
+    /// The pre-send check: skip a record whose lease has less than `margin` left.
+    pub fn before_publish(&self, now: DateTime, margin: Duration) -> PrePublish {
+        if self.remaining(now) < margin {
+            PrePublish::TooLittleLease
+        } else {
+            PrePublish::Publish
+        }
+    }
+}
+
+/// `t + d` on BSON dates.
+pub fn add(t: DateTime, d: Duration) -> DateTime {
+    DateTime::from_millis(
+        t.timestamp_millis()
+            .saturating_add(d.as_millis().min(i64::MAX as u128) as i64),
+    )
+}
+
+/// The part of the due filter that says "`Time` at or before `due_by`", in the index-friendly
+/// form: `"Time.0" <= ticks` for the ticks array, `Time <= date` for plain dates.
+pub fn due_by(due_by: DateTime, encoding: TimeEncoding) -> Document {
+    match encoding {
+        TimeEncoding::DotnetTicks => {
+            doc! { field::TIME_TICKS: { "$lte": ms_to_ticks(due_by.timestamp_millis()) } }
+        }
+        TimeEncoding::Date => doc! { field::TIME: { "$lte": due_by } },
+    }
+}
+
+/// The complement of [`due_by`]: not due yet at `t`.
+pub fn due_after(t: DateTime, encoding: TimeEncoding) -> Document {
+    match encoding {
+        TimeEncoding::DotnetTicks => {
+            doc! { field::TIME_TICKS: { "$gt": ms_to_ticks(t.timestamp_millis()) } }
+        }
+        TimeEncoding::Date => doc! { field::TIME: { "$gt": t } },
+    }
+}
+
+/// The key the due query sorts on (oldest first) and that timeoutd's own index covers.
+pub fn due_sort_key(encoding: TimeEncoding) -> &'static str {
+    match encoding {
+        TimeEncoding::DotnetTicks => field::TIME_TICKS,
+        TimeEncoding::Date => field::TIME,
+    }
+}
+
+/// Free, or leased with an expired lease: what any worker may claim.
+pub fn claimable(now: DateTime) -> Document {
+    doc! { "$or": [
+        { field::LOCKED: false },
+        { field::LOCK_EXPIRES_AT: { "$lte": now } },
+    ] }
+}
+
+/// Due at `now` and claimable at `now`.
+pub fn due_filter(now: DateTime, encoding: TimeEncoding) -> Document {
+    let mut f = due_by(now, encoding);
+    f.extend(claimable(now));
+    f
+}
+
+/// The compare-and-swap claim: the due filter again, restricted to the candidates. Rows a
+/// racing worker took since the candidates were read no longer match and are skipped.
+pub fn claim_filter(now: DateTime, encoding: TimeEncoding, candidates: &[Bson]) -> Document {
+    let mut f = due_filter(now, encoding);
+    f.insert(field::ID, doc! { "$in": candidates });
+    f
+}
+
+/// Takes a lease.
+pub fn claim_update(lease: &Lease) -> Document {
+    doc! { "$set": {
+        field::LOCKED: true,
+        field::LOCKED_BY: uuid_bson(lease.owner),
+        field::LOCK_EXPIRES_AT: lease.expires_at,
+    } }
+}
+
+/// Rows held by `owner` whose lease is live at `now`. Every write after a claim adds this.
+pub fn held(owner: Uuid, now: DateTime) -> Document {
+    doc! {
+        field::LOCKED: true,
+        field::LOCKED_BY: uuid_bson(owner),
+        field::LOCK_EXPIRES_AT: { "$gt": now },
+    }
+}
+
+/// Rows under any live lease at `now`.
+pub fn held_any(now: DateTime) -> Document {
+    doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: { "$gt": now } }
+}
+
+/// One record, if `owner` still holds it at `now`.
+pub fn held_one(id: &Bson, owner: Uuid, now: DateTime) -> Document {
+    let mut f = doc! { field::ID: id.clone() };
+    f.extend(held(owner, now));
+    f
+}
+
+/// Several records, those of them that `owner` still holds at `now`.
+pub fn held_many(ids: &[Bson], owner: Uuid, now: DateTime) -> Document {
+    let mut f = doc! { field::ID: { "$in": ids } };
+    f.extend(held(owner, now));
+    f
+}
+
+/// Makes a record free again: the only shape ServiceConnect accepts for a free record.
+pub fn release_update() -> Document {
+    doc! { "$set": {
+        field::LOCKED: false,
+        field::LOCKED_BY: uuid_bson(Uuid::nil()),
+        field::LOCK_EXPIRES_AT: Bson::Null,
+    } }
+}
+
+/// Leased records whose lease has expired at `now`: what the reaper frees.
+pub fn expired(now: DateTime) -> Document {
+    doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: { "$lte": now } }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn margin_check_uses_the_lease_end() {
+        let now = DateTime::from_millis(1_000_000);
+        let lease = Lease::new(now, Duration::from_secs(10));
+        assert_eq!(lease.remaining(now), Duration::from_secs(10));
+        assert_eq!(
+            lease.before_publish(add(now, Duration::from_secs(7)), Duration::from_secs(2)),
+            PrePublish::Publish
+        );
+        assert_eq!(
+            lease.before_publish(
+                add(now, Duration::from_millis(8_001)),
+                Duration::from_secs(2)
+            ),
+            PrePublish::TooLittleLease
+        );
+        assert!(lease.is_live(add(now, Duration::from_millis(9_999))));
+        assert!(!lease.is_live(add(now, Duration::from_secs(10))));
+        assert_eq!(
+            lease.remaining(add(now, Duration::from_secs(60))),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn fresh_owner_per_lease() {
+        let now = DateTime::now();
+        assert_ne!(
+            Lease::new(now, Duration::from_secs(1)).owner,
+            Lease::new(now, Duration::from_secs(1)).owner
+        );
+    }
+
+    #[test]
+    fn due_query_uses_the_ticks_element() {
+        let now = DateTime::from_millis(1_767_225_600_000);
+        let f = due_filter(now, TimeEncoding::DotnetTicks);
+        assert_eq!(
+            f.get_document("Time.0").unwrap().get_i64("$lte").unwrap(),
+            639_028_224_000_000_000
+        );
+        assert!(f.contains_key("$or"));
+    }
+}

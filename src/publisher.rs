@@ -1,0 +1,160 @@
+//! The publisher: one RabbitMQ connection with a publisher-confirm channel.
+//!
+//! A batch is published pipelined (every `basic.publish` goes out before any confirm is
+//! awaited), then the confirms are awaited together. Each message gets its own
+//! [`SendOutcome`]; only [`SendOutcome::Confirmed`] may lead to deleting its record.
+
+use futures::future::join_all;
+use lapin::Confirmation;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use crate::message::OutgoingMessage;
+
+/// What can go wrong connecting to RabbitMQ.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("RabbitMQ: {0}")]
+    Amqp(#[from] lapin::Error),
+}
+
+/// The fate of one published message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// The broker confirmed it and routed it to a queue.
+    Confirmed,
+    /// Returned by the broker: no queue matches the routing key (mandatory publish).
+    Returned,
+    /// The broker nacked it.
+    Nacked,
+    /// No confirm arrived before the publisher stopped waiting.
+    TimedOut,
+    /// The connection or channel failed; the message may or may not have been delivered.
+    Connection(String),
+}
+
+impl SendOutcome {
+    /// A short label for logs and metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SendOutcome::Confirmed => "confirmed",
+            SendOutcome::Returned => "returned",
+            SendOutcome::Nacked => "nacked",
+            SendOutcome::TimedOut => "timeout",
+            SendOutcome::Connection(_) => "connection",
+        }
+    }
+}
+
+/// A RabbitMQ publisher that reconnects on demand.
+#[derive(Debug)]
+pub struct Publisher {
+    uri: String,
+    name: String,
+    link: Option<(Connection, Channel)>,
+}
+
+impl Publisher {
+    /// A publisher for `uri`; connects on [`Publisher::connect`].
+    pub fn new(uri: &str, connection_name: &str) -> Self {
+        Self {
+            uri: uri.to_string(),
+            name: connection_name.to_string(),
+            link: None,
+        }
+    }
+
+    /// Whether the connection and channel are open.
+    pub fn is_connected(&self) -> bool {
+        self.link
+            .as_ref()
+            .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected())
+    }
+
+    /// Opens the connection and a confirm-mode channel unless already open.
+    pub async fn connect(&mut self) -> Result<(), PublishError> {
+        if self.is_connected() {
+            return Ok(());
+        }
+        self.link = None;
+        let props = ConnectionProperties::default().with_connection_name(self.name.clone().into());
+        let conn = Connection::connect(&self.uri, props).await?;
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        self.link = Some((conn, channel));
+        Ok(())
+    }
+
+    /// Closes the connection politely (at shutdown).
+    pub async fn close(&mut self) {
+        if let Some((conn, _)) = self.link.take() {
+            let _ = conn.close(200, "timeoutd shutting down".into()).await;
+        }
+    }
+
+    /// Publishes every message pipelined, then awaits the confirms until each arrives or
+    /// `stop_waiting` is cancelled. Returns one outcome per message, in order.
+    pub async fn publish_batch(
+        &mut self,
+        messages: &[OutgoingMessage],
+        stop_waiting: &CancellationToken,
+    ) -> Vec<SendOutcome> {
+        let Some((_, channel)) = self.link.as_ref().filter(|_| self.is_connected()) else {
+            return vec![SendOutcome::Connection("not connected".into()); messages.len()];
+        };
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let mut pending = Vec::with_capacity(messages.len());
+        let mut broken: Option<String> = None;
+        for m in messages {
+            if broken.is_some() {
+                pending.push(Err(broken.clone().unwrap_or_default()));
+                continue;
+            }
+            match channel
+                .basic_publish(
+                    "".into(),
+                    m.routing_key.as_str().into(),
+                    options,
+                    &m.body,
+                    m.properties.clone(),
+                )
+                .await
+            {
+                Ok(confirm) => pending.push(Ok(confirm)),
+                Err(e) => {
+                    broken = Some(e.to_string());
+                    pending.push(Err(e.to_string()));
+                }
+            }
+        }
+        let outcomes = join_all(pending.into_iter().map(|p| async move {
+            let confirm = match p {
+                Ok(c) => c,
+                Err(e) => return SendOutcome::Connection(e),
+            };
+            tokio::select! {
+                c = confirm => match c {
+                    Ok(Confirmation::Ack(None)) => SendOutcome::Confirmed,
+                    Ok(Confirmation::Ack(Some(_))) => SendOutcome::Returned,
+                    Ok(Confirmation::Nack(_)) => SendOutcome::Nacked,
+                    Ok(Confirmation::NotRequested) => {
+                        SendOutcome::Connection("channel is not in confirm mode".into())
+                    }
+                    Err(e) => SendOutcome::Connection(e.to_string()),
+                },
+                _ = stop_waiting.cancelled() => SendOutcome::TimedOut,
+            }
+        }))
+        .await;
+        if broken.is_some() || !self.is_connected() {
+            self.link = None;
+        }
+        outcomes
+    }
+}

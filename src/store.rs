@@ -1,0 +1,334 @@
+//! The store: the ServiceConnect `Timeouts` collection in MongoDB.
+//!
+//! Runs the queries that [`crate::lease`] defines: claim a batch, remove or release what a
+//! claim holds, reap expired leases, count for `stats`, insert for `schedule`. It only ever
+//! `$set`s the three lock fields of an existing record and deletes by `_id`.
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use mongodb::options::{Acknowledgment, ClientOptions, IndexOptions};
+use mongodb::{Client, Collection, Database, IndexModel};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::clock::ServerClock;
+use crate::config::{MongoConfig, TimeEncoding};
+use crate::lease::{self, Lease};
+use crate::record::{DecodeError, TimeoutRecord, field};
+
+/// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
+pub const DUE_INDEX: &str = "timeoutd_due";
+pub const LEASE_INDEX: &str = "timeoutd_lease";
+pub const OWNER_INDEX: &str = "timeoutd_owner";
+
+/// What can go wrong talking to MongoDB.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("mongodb.uri is not a valid MongoDB connection string: {0}")]
+    InvalidUri(String),
+    #[error(
+        "the MongoDB write concern is unacknowledged (w=0): guarded deletes and releases would all look successful and lost leases would go unnoticed; use w=1 or w=majority"
+    )]
+    UnacknowledgedWriteConcern,
+    #[error("MongoDB: {0}")]
+    Mongo(#[from] mongodb::error::Error),
+    #[error("MongoDB hello reply has no localTime")]
+    NoServerTime,
+}
+
+/// One record of a claim: its raw `_id` (what every guarded write matches) and the decoded
+/// record, or why it could not be decoded.
+#[derive(Debug, Clone)]
+pub struct ClaimedRow {
+    pub id: Bson,
+    pub record: Result<TimeoutRecord, DecodeError>,
+}
+
+/// A claimed batch: the lease every row shares, rows oldest first.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub lease: Lease,
+    pub rows: Vec<ClaimedRow>,
+}
+
+/// Counts for `timeoutd stats`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Stats {
+    /// Records not due yet and not leased.
+    pub pending: u64,
+    /// Due records any worker may claim now (free, or leased with an expired lease).
+    pub due: u64,
+    /// Records under a live lease.
+    pub leased: u64,
+    /// Records whose lease has expired and that the reaper has not freed yet.
+    pub expired_leases: u64,
+    /// Age of the oldest due record, leased or not, in seconds; `None` when nothing is due.
+    pub oldest_due_age_seconds: Option<f64>,
+}
+
+/// A handle on the `Timeouts` collection; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Store {
+    db: Database,
+    coll: Collection<Document>,
+    encoding: TimeEncoding,
+    clock: ServerClock,
+}
+
+impl Store {
+    /// Parses the URI and builds a client. Refuses an unacknowledged write concern. The
+    /// driver connects lazily; [`Store::refresh_clock`] is the first round trip.
+    pub async fn connect(config: &MongoConfig, clock: ServerClock) -> Result<Self, StoreError> {
+        let mut options = ClientOptions::parse(&config.uri)
+            .await
+            .map_err(|e| StoreError::InvalidUri(crate::config::redact_uri(&e.kind.to_string())))?;
+        if let Some(wc) = &options.write_concern
+            && wc.w == Some(Acknowledgment::Nodes(0))
+        {
+            return Err(StoreError::UnacknowledgedWriteConcern);
+        }
+        if options.app_name.is_none() {
+            options.app_name = Some("timeoutd".into());
+        }
+        if options.server_selection_timeout.is_none() {
+            options.server_selection_timeout = Some(Duration::from_secs(10));
+        }
+        let client = Client::with_options(options)?;
+        let db = client.database(&config.database);
+        let coll = db.collection::<Document>(&config.collection);
+        Ok(Self {
+            db,
+            coll,
+            encoding: config.time_encoding,
+            clock,
+        })
+    }
+
+    /// The clock this store stamps leases with.
+    pub fn clock(&self) -> &ServerClock {
+        &self.clock
+    }
+
+    /// The `Time` encoding of the collection.
+    pub fn encoding(&self) -> TimeEncoding {
+        self.encoding
+    }
+
+    /// Reads the server's clock (`hello.localTime`) and updates the offset estimate. Also the
+    /// cheapest check that the server answers.
+    pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
+        let sent = self.clock.local_ms();
+        let reply = self.db.run_command(doc! { "hello": 1 }).await?;
+        let received = self.clock.local_ms();
+        let server = reply
+            .get_datetime("localTime")
+            .map_err(|_| StoreError::NoServerTime)?;
+        Ok(self.clock.observe(*server, sent, received))
+    }
+
+    /// Creates timeoutd's own indexes if missing: the due key (so the due query scans only
+    /// due records, oldest first), the lease fields (reaper) and the owner (read-back).
+    pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
+        let indexes = [
+            (DUE_INDEX, doc! { lease::due_sort_key(self.encoding): 1 }),
+            (
+                LEASE_INDEX,
+                doc! { field::LOCKED: 1, field::LOCK_EXPIRES_AT: 1 },
+            ),
+            (OWNER_INDEX, doc! { field::LOCKED_BY: 1 }),
+        ];
+        for (name, keys) in indexes {
+            let model = IndexModel::builder()
+                .keys(keys.clone())
+                .options(IndexOptions::builder().name(name.to_string()).build())
+                .build();
+            if let Err(e) = self.coll.create_index(model).await {
+                // An index with the same keys under another name serves as well.
+                tracing::warn!(index = name, keys = %keys, error = %e, "could not create index; continuing");
+            }
+        }
+        Ok(())
+    }
+
+    /// Claims up to `batch_size` due records, oldest first, under a fresh owner. Steps 1 to 6
+    /// of the lease protocol: candidates, compare-and-swap `updateMany`, read back.
+    pub async fn claim(&self, batch_size: u32, lease_len: Duration) -> Result<Claim, StoreError> {
+        let now = self.clock.now();
+        let lease = Lease::new(now, lease_len);
+        let candidates: Vec<Bson> = self
+            .coll
+            .find(lease::due_filter(now, self.encoding))
+            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
+            .limit(i64::from(batch_size))
+            .projection(doc! { field::ID: 1 })
+            .await?
+            .try_collect::<Vec<Document>>()
+            .await?
+            .into_iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect();
+        if candidates.is_empty() {
+            return Ok(Claim {
+                lease,
+                rows: Vec::new(),
+            });
+        }
+        let taken = self
+            .coll
+            .update_many(
+                lease::claim_filter(now, self.encoding, &candidates),
+                lease::claim_update(&lease),
+            )
+            .await;
+        let rows = match taken {
+            Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
+            Ok(_) => self.read_back(&candidates, &lease).await,
+            Err(e) => Err(e),
+        };
+        match rows {
+            Ok(rows) => Ok(Claim { lease, rows }),
+            Err(e) => {
+                // Between the update and the read-back: free what we may hold, best effort.
+                if let Err(release_err) = self.release_many(&candidates, lease.owner).await {
+                    tracing::warn!(owner = %lease.owner, error = %release_err, "could not release a failed claim; its leases will expire");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn read_back(
+        &self,
+        candidates: &[Bson],
+        lease: &Lease,
+    ) -> Result<Vec<ClaimedRow>, mongodb::error::Error> {
+        let docs: Vec<Document> = self
+            .coll
+            .find(lease::held_many(candidates, lease.owner, self.clock.now()))
+            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .into_iter()
+            .map(|d| ClaimedRow {
+                id: d.get(field::ID).cloned().unwrap_or(Bson::Null),
+                record: TimeoutRecord::decode(&d, self.encoding),
+            })
+            .collect())
+    }
+
+    /// Deletes the given records that `owner` still holds under a live lease; returns how
+    /// many were deleted. Fewer than `ids.len()` means some leases were lost.
+    pub async fn remove_held(&self, ids: &[Bson], owner: Uuid) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let r = self
+            .coll
+            .delete_many(lease::held_many(ids, owner, self.clock.now()))
+            .await?;
+        Ok(r.deleted_count)
+    }
+
+    /// Of `ids`, those still in the collection (to name the lost leases after a short delete).
+    pub async fn existing(&self, ids: &[Bson]) -> Result<Vec<Bson>, StoreError> {
+        let docs: Vec<Document> = self
+            .coll
+            .find(doc! { field::ID: { "$in": ids } })
+            .projection(doc! { field::ID: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect())
+    }
+
+    /// Frees one record if `owner` still holds it; `false` means the lease was lost.
+    pub async fn release_one(&self, id: &Bson, owner: Uuid) -> Result<bool, StoreError> {
+        let r = self
+            .coll
+            .update_one(
+                lease::held_one(id, owner, self.clock.now()),
+                lease::release_update(),
+            )
+            .await?;
+        Ok(r.matched_count == 1)
+    }
+
+    /// Frees those of `ids` that `owner` still holds; returns how many.
+    pub async fn release_many(&self, ids: &[Bson], owner: Uuid) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let r = self
+            .coll
+            .update_many(
+                lease::held_many(ids, owner, self.clock.now()),
+                lease::release_update(),
+            )
+            .await?;
+        Ok(r.matched_count)
+    }
+
+    /// Frees every expired lease; returns how many.
+    pub async fn reap(&self) -> Result<u64, StoreError> {
+        let r = self
+            .coll
+            .update_many(lease::expired(self.clock.now()), lease::release_update())
+            .await?;
+        Ok(r.modified_count)
+    }
+
+    /// Counts for operators.
+    pub async fn stats(&self) -> Result<Stats, StoreError> {
+        let now = self.clock.now();
+        let due_by_now = lease::due_by(now, self.encoding);
+        let mut not_due = lease::due_after(now, self.encoding);
+        not_due.insert(field::LOCKED, false);
+        let due = self
+            .coll
+            .count_documents(lease::due_filter(now, self.encoding));
+        let pending = self.coll.count_documents(not_due);
+        let leased = self.coll.count_documents(lease::held_any(now));
+        let expired = self.coll.count_documents(lease::expired(now));
+        let (due, pending, leased, expired) = tokio::try_join!(
+            async { due.await },
+            async { pending.await },
+            async { leased.await },
+            async { expired.await }
+        )?;
+        let oldest = self
+            .coll
+            .find_one(due_by_now)
+            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
+            .await?;
+        let oldest_due_age_seconds = oldest
+            .and_then(|d| TimeoutRecord::decode(&d, self.encoding).ok())
+            .map(|r| (now.timestamp_millis() - r.due.timestamp_millis()).max(0) as f64 / 1000.0);
+        Ok(Stats {
+            pending,
+            due,
+            leased,
+            expired_leases: expired,
+            oldest_due_age_seconds,
+        })
+    }
+
+    /// Inserts one free record in ServiceConnect's shape.
+    pub async fn insert(&self, record: &TimeoutRecord) -> Result<(), StoreError> {
+        self.coll
+            .insert_one(record.to_document(self.encoding))
+            .await?;
+        Ok(())
+    }
+}
+
+/// A time `d` after the server's `now`.
+pub fn server_time_in(clock: &ServerClock, d: Duration) -> DateTime {
+    lease::add(clock.now(), d)
+}
