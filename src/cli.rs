@@ -102,8 +102,13 @@ pub fn main(cli: Cli) -> ExitCode {
 }
 
 fn init_logging(config: &Config) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
+    // lapin logs every returned message in full at WARN; timeoutd logs the failed send itself.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!(
+            "{},lapin::returned_messages=error",
+            config.log.level
+        ))
+    });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -1,0 +1,336 @@
+//! The `timeoutd` binary as an operator runs it: exit codes, messages, signals.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use bson::{Bson, doc};
+use common::proxy::{Mode, Proxy, host_port};
+use common::*;
+use uuid::Uuid;
+
+const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
+
+fn run(args: &[&str], env: &[(String, String)]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run timeoutd")
+}
+
+fn temp_config(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    f
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn bad_configs_exit_2_naming_the_key() {
+    let cases = [
+        ("[dispatch]\nbatch_size = 0\n", "dispatch.batch_size"),
+        (
+            "[dispatch]\npoll_interval = \"-1s\"\n",
+            "dispatch.poll_interval",
+        ),
+        (
+            "[dispatch]\nlock_lease = \"2s\"\nlease_safety_margin = \"2s\"\n",
+            "dispatch.lock_lease",
+        ),
+        ("[dispatch]\nbatchsize = 10\n", "dispatch.batchsize"),
+        (
+            "[mongodb]\ntime_encoding = \"iso\"\n",
+            "mongodb.time_encoding",
+        ),
+        ("[log]\nformat = \"yaml\"\n", "log.format"),
+    ];
+    for (text, key) in cases {
+        let f = temp_config(text);
+        for cmd in ["check-config", "run"] {
+            let o = run(&[cmd, "--config", f.path().to_str().unwrap()], &[]);
+            assert_eq!(
+                o.status.code(),
+                Some(2),
+                "{cmd} with {text}: {}",
+                stderr(&o)
+            );
+            let err = stderr(&o);
+            assert!(err.contains(key), "{cmd}: `{err}` names {key}");
+            assert_eq!(err.lines().count(), 1, "one line per problem: {err}");
+        }
+    }
+}
+
+#[test]
+fn environment_overrides_are_validated_too() {
+    let f = temp_config("");
+    let o = run(
+        &["check-config", "--config", f.path().to_str().unwrap()],
+        &[
+            ("TIMEOUTD_DISPATCH__BATCH_SIZE".into(), "0".into()),
+            ("TIMEOUTD_DISPATCH__SHUTDOWN_TIMEOUT".into(), "0s".into()),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("dispatch.batch_size"), "{err}");
+    assert!(err.contains("dispatch.shutdown_timeout"), "{err}");
+    assert_eq!(err.lines().count(), 2, "{err}");
+}
+
+#[test]
+fn a_missing_config_file_is_an_error() {
+    let o = run(
+        &["check-config", "--config", "/nonexistent/timeoutd.toml"],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("/nonexistent/timeoutd.toml"));
+}
+
+#[test]
+fn check_config_prints_the_effective_config_without_passwords() {
+    let f = temp_config("[dispatch]\nbatch_size = 77\n");
+    let o = run(
+        &["check-config", "--config", f.path().to_str().unwrap()],
+        &[
+            (
+                "TIMEOUTD_MONGODB__URI".into(),
+                "mongodb://svc:s3cr3t-mongo@db1:27017,db2:27017/?replicaSet=rs".into(),
+            ),
+            (
+                "TIMEOUTD_RABBITMQ__URI".into(),
+                "amqp://svc:s3cr3t-amqp@mq:5672/%2f".into(),
+            ),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(!out.contains("s3cr3t"), "{out}");
+    assert!(out.contains("mongodb://svc:***@db1:27017,db2:27017/?replicaSet=rs"));
+    assert!(out.contains("amqp://svc:***@mq:5672/%2f"));
+    assert!(out.contains("batch_size = 77"));
+    assert!(
+        out.contains("interval = \"1m 15s\""),
+        "reaper default shown: {out}"
+    );
+}
+
+#[test]
+fn run_refuses_an_unacknowledged_write_concern() {
+    let f = temp_config("");
+    let o = run(
+        &["run", "--config", f.path().to_str().unwrap()],
+        &[(
+            "TIMEOUTD_MONGODB__URI".into(),
+            with_query(&mongo_uri(), "w=0"),
+        )],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("mongodb.uri") && err.contains("w=0"), "{err}");
+}
+
+#[tokio::test]
+async fn schedule_stats_and_reap_work_on_the_collection() {
+    let env = TestEnv::new().await;
+    let vars = env.env_vars(&env.config());
+    let pm = Uuid::new_v4();
+    let o = run(
+        &[
+            "schedule",
+            "--destination",
+            "billing",
+            "--correlation-id",
+            &pm.to_string(),
+            "--in",
+            "10m",
+            "--header",
+            "Tenant=acme",
+            "--header",
+            "Note=a=b",
+        ],
+        &vars,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let id = Uuid::parse_str(String::from_utf8(o.stdout).unwrap().trim()).expect("prints the id");
+    let d = env.find(id).await.expect("inserted");
+    let keys: Vec<&str> = d.keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "_id",
+            "Destination",
+            "ProcessManagerId",
+            "Time",
+            "Headers",
+            "Locked",
+            "LockedBy",
+            "LockExpiresAt"
+        ]
+    );
+    assert_eq!(d.get("ProcessManagerId"), Some(&uuid(pm)));
+    assert_eq!(
+        d.get_document("Headers").unwrap(),
+        &doc! { "Tenant": "acme", "Note": "a=b" }
+    );
+    let time = d.get_array("Time").unwrap();
+    assert!(matches!(time[0], Bson::Int64(_)) && time[1] == Bson::Int32(0));
+    let due_ms = (time[0].as_i64().unwrap() - 621_355_968_000_000_000) / 10_000;
+    let expected = in_ms(600_000).timestamp_millis();
+    assert!((due_ms - expected).abs() < 5_000, "due in ten minutes");
+
+    // An expired lease for stats and reap to see.
+    let mut e = v7_record(Uuid::new_v4(), "q", Uuid::new_v4(), in_ms(-3_000), doc! {});
+    e.insert("Locked", true);
+    e.insert("LockedBy", uuid(Uuid::new_v4()));
+    e.insert("LockExpiresAt", in_ms(-1_000));
+    env.insert(vec![e]).await;
+
+    let o = run(&["stats", "--json"], &vars);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["pending"], 1);
+    assert_eq!(v["due"], 1);
+    assert_eq!(v["leased"], 0);
+    assert_eq!(v["expired_leases"], 1);
+    assert!(v["oldest_due_age_seconds"].as_f64().unwrap() >= 3.0);
+    let text = run(&["stats"], &vars);
+    assert!(String::from_utf8_lossy(&text.stdout).contains("expired_leases  1"));
+
+    let o = run(&["reap"], &vars);
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "freed 1 expired leases"
+    );
+    let o = run(&["reap"], &vars);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "freed 0 expired leases"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn schedule_rejects_bad_input_with_exit_2() {
+    for args in [
+        vec![
+            "schedule",
+            "--destination",
+            "q",
+            "--correlation-id",
+            "nope",
+            "--in",
+            "1s",
+        ],
+        vec![
+            "schedule",
+            "--destination",
+            "q",
+            "--correlation-id",
+            &Uuid::nil().to_string(),
+            "--in",
+            "soon",
+        ],
+        vec![
+            "schedule",
+            "--destination",
+            "",
+            "--correlation-id",
+            &Uuid::nil().to_string(),
+            "--in",
+            "1s",
+        ],
+        vec![
+            "schedule",
+            "--destination",
+            "q",
+            "--correlation-id",
+            &Uuid::nil().to_string(),
+            "--in",
+            "1s",
+            "--header",
+            "novalue",
+        ],
+    ] {
+        let o = run(&args.iter().map(|s| s.as_ref()).collect::<Vec<&str>>(), &[]);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_releases_what_was_claimed_and_not_sent() {
+    let env = TestEnv::new().await;
+    let proxy = Proxy::start(&host_port(&amqp_uri())).await;
+    let mut config = env.config();
+    config.rabbitmq.uri = proxy.rewrite(&amqp_uri());
+    config.rabbitmq.publish_timeout = std::time::Duration::from_secs(60);
+    config.dispatch.shutdown_timeout = std::time::Duration::from_secs(1);
+    let mut child = tokio::process::Command::new(BIN)
+        .arg("run")
+        .envs(env.env_vars(&config))
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr_pipe = child.stderr.take().unwrap();
+    let log = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut s = String::new();
+        let mut r = stderr_pipe;
+        let _ = r.read_to_string(&mut s).await;
+        s
+    });
+
+    // Wait for the daemon's broker connection, then freeze it: publishes go nowhere.
+    let mut consumer = env.consumer().await;
+    let canary = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        canary,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+    assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
+    proxy.set(Mode::Stall);
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    env.insert(
+        ids.iter()
+            .map(|id| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-10), doc! {}))
+            .collect(),
+    )
+    .await;
+    let claimed = eventually(Duration::from_secs(10), || async {
+        env.count(doc! { "Locked": true }).await == 5
+    })
+    .await;
+    assert!(claimed, "the daemon claimed the records");
+
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("exits within the shutdown timeout")
+        .unwrap();
+    let log = log.await.unwrap();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert_eq!(env.count(is_free()).await, 5, "all five released: {log}");
+    assert!(
+        consumer
+            .take(1, Duration::from_millis(300))
+            .await
+            .is_empty()
+    );
+    proxy.set(Mode::Forward);
+    env.cleanup().await;
+}

@@ -1,0 +1,367 @@
+//! Test harness: the real test MongoDB and the real RabbitMQ, isolated per test.
+//!
+//! MongoDB: `TIMEOUTD_TEST_MONGODB_URI` when set (a real MongoDB, or a server a script
+//! started); otherwise one `secantusd-rs` per test binary on a free port in a temporary
+//! directory. RabbitMQ: `TIMEOUTD_TEST_AMQP_URI`, default the local broker. Each test gets
+//! its own database and its own queue names, so tests run in parallel.
+#![allow(dead_code)]
+
+pub mod proxy;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bson::spec::BinarySubtype;
+use bson::{Bson, DateTime, Document, doc};
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use mongodb::{Client, Collection};
+use timeoutd::config::Config;
+use uuid::Uuid;
+
+pub const DEFAULT_AMQP_URI: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// .NET ticks at the Unix epoch, written out here rather than taken from the crate.
+const EPOCH_TICKS: i64 = 621_355_968_000_000_000;
+
+pub fn amqp_uri() -> String {
+    std::env::var("TIMEOUTD_TEST_AMQP_URI").unwrap_or_else(|_| DEFAULT_AMQP_URI.into())
+}
+
+/// The MongoDB URI tests use; starts a `secantusd-rs` on first use when none is given.
+pub fn mongo_uri() -> String {
+    static URI: OnceLock<String> = OnceLock::new();
+    URI.get_or_init(|| match std::env::var("TIMEOUTD_TEST_MONGODB_URI") {
+        Ok(uri) if !uri.is_empty() => uri,
+        _ => start_secantus(),
+    })
+    .clone()
+}
+
+/// Starts `secantusd-rs --port 0` from a thread that lives as long as the test process, with
+/// the parent-death signal set so the server goes when the tests go.
+fn start_secantus() -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let dir = tempfile::tempdir().expect("temp dir for secantusd-rs");
+        let mut cmd = Command::new("secantusd-rs");
+        cmd.args(["--port", "0", "--log-level", "WARNING", "--storage-path"])
+            .arg(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tx.send(Err(format!(
+                    "cannot start secantusd-rs ({e}). Run scripts/install-test-mongodb.sh, or set TIMEOUTD_TEST_MONGODB_URI to a MongoDB"
+                )));
+                return;
+            }
+        };
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let mut sent = false;
+        for line in lines.by_ref() {
+            let Ok(line) = line else { break };
+            if let Some(addr) = line.strip_prefix("secantusd-rs listening on ") {
+                let _ = tx.send(Ok(format!("mongodb://{}/", addr.trim())));
+                sent = true;
+                break;
+            }
+        }
+        if !sent {
+            let _ = tx.send(Err("secantusd-rs exited before listening".into()));
+        }
+        // Keep draining stdout and keep this thread (the child's parent) alive.
+        for _ in lines {}
+        let _ = child.wait();
+        drop(dir);
+        loop {
+            std::thread::park();
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(uri)) => uri,
+        Ok(Err(e)) => panic!("{e}"),
+        Err(_) => panic!("secantusd-rs did not start within 60 s"),
+    }
+}
+
+/// One test's private database, collection and queue.
+pub struct TestEnv {
+    pub db_name: String,
+    pub queue: String,
+    pub coll: Collection<Document>,
+    pub amqp: Connection,
+    pub channel: Channel,
+}
+
+impl TestEnv {
+    pub async fn new() -> Self {
+        let id = Uuid::new_v4().simple().to_string();
+        let db_name = format!("timeoutd_test_{}", &id[..12]);
+        let client = Client::with_uri_str(mongo_uri())
+            .await
+            .expect("mongodb client");
+        let coll = client.database(&db_name).collection::<Document>("Timeouts");
+        let amqp = Connection::connect(&amqp_uri(), ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ at TIMEOUTD_TEST_AMQP_URI or 127.0.0.1:5672");
+        let channel = amqp.create_channel().await.expect("channel");
+        let queue = format!("timeoutd-test-{}", &id[..12]);
+        let env = Self {
+            db_name,
+            queue: queue.clone(),
+            coll,
+            amqp,
+            channel,
+        };
+        env.declare_queue(&queue).await;
+        env
+    }
+
+    pub async fn declare_queue(&self, name: &str) {
+        self.channel
+            .queue_declare(
+                name.into(),
+                QueueDeclareOptions {
+                    auto_delete: false,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue declare");
+    }
+
+    /// A configuration for this test: its database, short intervals.
+    pub fn config(&self) -> Config {
+        let mut c = Config::default();
+        c.mongodb.uri = mongo_uri();
+        c.mongodb.database = self.db_name.clone();
+        c.rabbitmq.uri = amqp_uri();
+        c.dispatch.poll_interval = Duration::from_millis(100);
+        c.dispatch.lock_lease = Duration::from_secs(30);
+        c.dispatch.lease_safety_margin = Duration::from_secs(2);
+        c.dispatch.shutdown_timeout = Duration::from_secs(2);
+        c.rabbitmq.publish_timeout = Duration::from_secs(5);
+        c
+    }
+
+    /// The same configuration as `TIMEOUTD_*` environment variables, for the binary.
+    pub fn env_vars(&self, c: &Config) -> Vec<(String, String)> {
+        let ms = |d: Duration| format!("{}ms", d.as_millis());
+        vec![
+            ("TIMEOUTD_MONGODB__URI".into(), c.mongodb.uri.clone()),
+            (
+                "TIMEOUTD_MONGODB__DATABASE".into(),
+                c.mongodb.database.clone(),
+            ),
+            ("TIMEOUTD_RABBITMQ__URI".into(), c.rabbitmq.uri.clone()),
+            (
+                "TIMEOUTD_DISPATCH__POLL_INTERVAL".into(),
+                ms(c.dispatch.poll_interval),
+            ),
+            (
+                "TIMEOUTD_DISPATCH__LOCK_LEASE".into(),
+                ms(c.dispatch.lock_lease),
+            ),
+            (
+                "TIMEOUTD_DISPATCH__SHUTDOWN_TIMEOUT".into(),
+                ms(c.dispatch.shutdown_timeout),
+            ),
+            (
+                "TIMEOUTD_RABBITMQ__PUBLISH_TIMEOUT".into(),
+                ms(c.rabbitmq.publish_timeout),
+            ),
+            ("TIMEOUTD_HTTP__LISTEN".into(), "127.0.0.1:0".into()),
+        ]
+    }
+
+    pub async fn insert(&self, docs: Vec<Document>) {
+        if !docs.is_empty() {
+            self.coll.insert_many(docs).await.expect("insert");
+        }
+    }
+
+    pub async fn count(&self, filter: Document) -> u64 {
+        self.coll.count_documents(filter).await.expect("count")
+    }
+
+    pub async fn find(&self, id: Uuid) -> Option<Document> {
+        self.coll
+            .find_one(doc! { "_id": uuid(id) })
+            .await
+            .expect("find")
+    }
+
+    /// Starts consuming this test's queue.
+    pub async fn consumer(&self) -> Consumer {
+        self.consumer_of(&self.queue).await
+    }
+
+    pub async fn consumer_of(&self, queue: &str) -> Consumer {
+        let inner = self
+            .channel
+            .basic_consume(
+                queue.into(),
+                format!("test-{}", Uuid::new_v4()).as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        Consumer { inner }
+    }
+
+    pub async fn cleanup(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = self.coll.client().database(&self.db_name).drop().await;
+        let _ = self.amqp.close(200, "done".into()).await;
+    }
+}
+
+/// A message as a receiver sees it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub body: String,
+    pub headers: BTreeMap<String, AMQPValue>,
+    pub properties: BasicProperties,
+    pub routing_key: String,
+}
+
+impl Received {
+    /// A header that must be an AMQP long string.
+    pub fn header(&self, k: &str) -> Option<String> {
+        self.headers.get(k).map(|v| match v {
+            AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
+            other => panic!("header {k} is not a long string: {other:?}"),
+        })
+    }
+}
+
+pub struct Consumer {
+    inner: lapin::Consumer,
+}
+
+impl Consumer {
+    /// Receives until `n` messages arrived or `within` passed.
+    pub async fn take(&mut self, n: usize, within: Duration) -> Vec<Received> {
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        while out.len() < n {
+            match tokio::time::timeout_at(deadline, self.inner.next()).await {
+                Ok(Some(Ok(d))) => {
+                    d.ack(BasicAckOptions::default()).await.expect("ack");
+                    let headers = d
+                        .properties
+                        .headers()
+                        .clone()
+                        .map(|h| {
+                            h.inner()
+                                .iter()
+                                .map(|(k, v)| (k.as_str().to_string(), v.clone()))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    out.push(Received {
+                        body: String::from_utf8(d.data.clone()).expect("utf-8 body"),
+                        headers,
+                        properties: d.properties.clone(),
+                        routing_key: d.routing_key.as_str().to_string(),
+                    });
+                }
+                _ => break,
+            }
+        }
+        out
+    }
+}
+
+pub fn uuid(u: Uuid) -> Bson {
+    Bson::Binary(bson::Binary {
+        subtype: BinarySubtype::Uuid,
+        bytes: u.as_bytes().to_vec(),
+    })
+}
+
+pub fn ticks(t: DateTime) -> i64 {
+    t.timestamp_millis() * 10_000 + EPOCH_TICKS
+}
+
+/// A free record in ServiceConnect v7's exact shape, due at `due`.
+pub fn v7_record(
+    id: Uuid,
+    destination: &str,
+    pm: Uuid,
+    due: DateTime,
+    headers: Document,
+) -> Document {
+    doc! {
+        "_id": uuid(id),
+        "Destination": destination,
+        "ProcessManagerId": uuid(pm),
+        "Time": [ticks(due), 0_i32],
+        "Headers": headers,
+        "Locked": false,
+        "LockedBy": uuid(Uuid::nil()),
+        "LockExpiresAt": Bson::Null,
+    }
+}
+
+/// `now + ms` (negative for the past), on this host's clock.
+pub fn in_ms(ms: i64) -> DateTime {
+    DateTime::from_millis(DateTime::now().timestamp_millis() + ms)
+}
+
+/// Polls `check` every 50 ms until it is true or `within` passed; returns the last result.
+pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The filter of a free record: what ServiceConnect writes and what a release restores.
+pub fn is_free() -> Document {
+    doc! { "Locked": false, "LockedBy": uuid(Uuid::nil()), "LockExpiresAt": Bson::Null }
+}
+
+/// `uri` with one more query option.
+pub fn with_query(uri: &str, option: &str) -> String {
+    if uri.contains('?') {
+        format!("{uri}&{option}")
+    } else if uri.ends_with('/') {
+        format!("{uri}?{option}")
+    } else {
+        format!("{uri}/?{option}")
+    }
+}

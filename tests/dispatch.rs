@@ -1,0 +1,342 @@
+//! The daemon end to end against the real RabbitMQ and the real test MongoDB: records are
+//! inserted as raw ServiceConnect v7 BSON and the messages are read back with lapin.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, SystemTime};
+
+use bson::{Bson, doc};
+use common::*;
+use timeoutd::config::{Config, MessageIdMode};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+struct Running {
+    token: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+fn start(config: Config) -> Running {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    let task = tokio::spawn(async move {
+        timeoutd::daemon::run(config, t).await.expect("daemon run");
+    });
+    Running { token, task }
+}
+
+impl Running {
+    async fn stop(self) {
+        self.token.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("daemon stops within its shutdown timeout")
+            .expect("daemon task");
+    }
+}
+
+fn time_sent(r: &Received) -> SystemTime {
+    let s = r.header("TimeSent").expect("TimeSent");
+    humantime::parse_rfc3339(&s).unwrap_or_else(|e| panic!("TimeSent {s}: {e}"))
+}
+
+fn millis(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_matches_the_serviceconnect_wire_format() {
+    let env = TestEnv::new().await;
+    let id = Uuid::new_v4();
+    let pm = Uuid::parse_str("3F2504E0-4F89-11D3-9A0C-0305E82C3301").unwrap();
+    let headers = doc! {
+        "Tenant": "acme",
+        "MessageType": "Publish",
+        "CorrelationId": "not-this-one",
+        "Flag": true,
+        "Count": 42_i32,
+        "Raw": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: b"\x00\xffhi".to_vec() },
+        "Empty": Bson::Null,
+        "Nested": { "a": 1 },
+    };
+    env.insert(vec![v7_record(id, &env.queue, pm, in_ms(-500), headers)])
+        .await;
+    let mut consumer = env.consumer().await;
+    let daemon = start(env.config());
+
+    let got = consumer.take(1, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 1, "the due record was sent");
+    let m = &got[0];
+    assert_eq!(
+        m.body,
+        r#"{"CorrelationId":"3f2504e0-4f89-11d3-9a0c-0305e82c3301"}"#
+    );
+    assert_eq!(m.routing_key, env.queue);
+    let keys: BTreeSet<&str> = m.headers.keys().map(String::as_str).collect();
+    let expected: BTreeSet<&str> = [
+        "Tenant",
+        "Flag",
+        "Count",
+        "Raw",
+        "Empty",
+        "CorrelationId",
+        "MessageId",
+        "DestinationAddress",
+        "MessageType",
+        "SourceAddress",
+        "TimeSent",
+        "TypeName",
+        "FullTypeName",
+        "ConsumerType",
+        "Language",
+        "TimeoutId",
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(keys, expected);
+    assert_eq!(m.header("Tenant").unwrap(), "acme");
+    assert_eq!(m.header("Flag").unwrap(), "True");
+    assert_eq!(m.header("Count").unwrap(), "42");
+    assert_eq!(m.header("Raw").unwrap(), "base64:AP9oaQ==");
+    assert_eq!(m.header("Empty").unwrap(), "");
+    assert_eq!(
+        m.header("CorrelationId").unwrap(),
+        "3f2504e0-4f89-11d3-9a0c-0305e82c3301"
+    );
+    assert_eq!(m.header("MessageId").unwrap(), id.to_string());
+    assert_eq!(m.header("TimeoutId").unwrap(), id.to_string());
+    assert_eq!(m.header("DestinationAddress").unwrap(), env.queue);
+    assert_eq!(m.header("MessageType").unwrap(), "Send");
+    assert_eq!(m.header("SourceAddress").unwrap(), "timeoutd");
+    assert_eq!(
+        m.header("TypeName").unwrap(),
+        "ServiceConnect.Interfaces.TimeoutMessage"
+    );
+    assert_eq!(
+        m.header("FullTypeName").unwrap(),
+        "ServiceConnect.Interfaces.TimeoutMessage, ServiceConnect.Interfaces, Version=7.0.0.0, Culture=neutral, PublicKeyToken=null"
+    );
+    assert_eq!(m.header("ConsumerType").unwrap(), "RabbitMQ");
+    assert_eq!(m.header("Language").unwrap(), "C#");
+    let sent = m.header("TimeSent").unwrap();
+    assert_eq!(sent.len(), 28, "{sent}");
+    assert_eq!(&sent[19..20], ".");
+    assert!(sent.ends_with('Z'));
+    time_sent(m);
+
+    let p = &m.properties;
+    assert_eq!(*p.delivery_mode(), Some(2));
+    assert_eq!(p.message_id().as_ref().unwrap().as_str(), id.to_string());
+    assert!(p.content_type().is_none());
+    assert!(p.correlation_id().is_none());
+    assert!(p.kind().is_none());
+    assert!(p.timestamp().is_none());
+
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            env.find(id).await.is_none()
+        })
+        .await,
+        "the sent record is removed"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_message_ids_behave_like_v7() {
+    let env = TestEnv::new().await;
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+    let mut consumer = env.consumer().await;
+    let mut config = env.config();
+    config.rabbitmq.message_id = MessageIdMode::Random;
+    config.rabbitmq.source_address = "billing-timeouts".into();
+    let daemon = start(config);
+    let got = consumer.take(1, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 1);
+    let message_id = got[0].header("MessageId").unwrap();
+    assert_ne!(message_id, id.to_string());
+    assert!(Uuid::parse_str(&message_id).is_ok());
+    assert_eq!(
+        got[0].properties.message_id().as_ref().unwrap().as_str(),
+        message_id
+    );
+    assert_eq!(got[0].header("TimeoutId"), None);
+    assert_eq!(got[0].header("SourceAddress").unwrap(), "billing-timeouts");
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn future_records_wait_and_due_ones_fire() {
+    let env = TestEnv::new().await;
+    let now = in_ms(0);
+    let due = Uuid::new_v4();
+    let soon = Uuid::new_v4();
+    let later = Uuid::new_v4();
+    let soon_at = in_ms(2_500);
+    env.insert(vec![
+        v7_record(due, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {}),
+        v7_record(soon, &env.queue, Uuid::new_v4(), soon_at, doc! {}),
+        v7_record(later, &env.queue, Uuid::new_v4(), in_ms(3_600_000), doc! {}),
+    ])
+    .await;
+    let mut consumer = env.consumer().await;
+    let daemon = start(env.config());
+
+    let got = consumer.take(2, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 2, "the due and the soon-due record fire");
+    assert_eq!(got[0].header("TimeoutId").unwrap(), due.to_string());
+    assert_eq!(got[1].header("TimeoutId").unwrap(), soon.to_string());
+    assert!(millis(time_sent(&got[0])) >= now.timestamp_millis() - 1_000);
+    // The server clock is estimated to within a round trip; allow that much.
+    assert!(
+        millis(time_sent(&got[1])) >= soon_at.timestamp_millis() - 20,
+        "the soon record was not sent before it fell due"
+    );
+    // The far-future record is neither sent nor touched.
+    assert!(
+        consumer
+            .take(1, Duration::from_millis(800))
+            .await
+            .is_empty()
+    );
+    daemon.stop().await;
+    let mut free_later = is_free();
+    free_later.insert("_id", uuid(later));
+    assert_eq!(env.count(free_later).await, 1);
+    assert_eq!(env.count(doc! {}).await, 1);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_dispatchers_send_each_record_once() {
+    let env = TestEnv::new().await;
+    let n = 1_500;
+    let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+    env.insert(
+        ids.iter()
+            .enumerate()
+            .map(|(i, id)| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-(i as i64)), doc! {}))
+            .collect(),
+    )
+    .await;
+    let mut consumer = env.consumer().await;
+    let mut config = env.config();
+    config.dispatch.batch_size = 40;
+    let a = start(config.clone());
+    let b = start(config);
+
+    let got = consumer.take(n, Duration::from_secs(90)).await;
+    let extra = consumer.take(1, Duration::from_secs(2)).await;
+    a.stop().await;
+    b.stop().await;
+    let mut per_id: HashMap<String, usize> = HashMap::new();
+    for m in got.iter().chain(extra.iter()) {
+        *per_id.entry(m.header("TimeoutId").unwrap()).or_default() += 1;
+    }
+    assert_eq!(per_id.len(), n, "every record was sent");
+    assert!(
+        per_id.values().all(|c| *c == 1),
+        "no record was sent twice: {:?}",
+        per_id.iter().filter(|(_, c)| **c > 1).collect::<Vec<_>>()
+    );
+    assert_eq!(env.count(doc! {}).await, 0, "every sent record was removed");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_destination_leaves_the_record_free() {
+    let env = TestEnv::new().await;
+    let missing_queue = format!("timeoutd-test-missing-{}", Uuid::new_v4().simple());
+    let lost = Uuid::new_v4();
+    let ok = Uuid::new_v4();
+    env.insert(vec![
+        v7_record(lost, &missing_queue, Uuid::new_v4(), in_ms(-2_000), doc! {}),
+        v7_record(ok, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {}),
+    ])
+    .await;
+    let mut consumer = env.consumer().await;
+    let daemon = start(env.config());
+    let got = consumer.take(1, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].header("TimeoutId").unwrap(), ok.to_string());
+    // Let a few more polls try the unroutable one.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    daemon.stop().await;
+    let doc = env.find(lost).await.expect("unroutable record still there");
+    assert!(!doc.get_bool("Locked").unwrap());
+    assert_eq!(doc.get("LockedBy"), Some(&uuid(Uuid::nil())));
+    assert_eq!(doc.get("LockExpiresAt"), Some(&Bson::Null));
+    assert_eq!(doc.get("Destination"), Some(&Bson::String(missing_queue)));
+    assert_eq!(doc.len(), 8, "no field was added: {doc}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_destination_and_undecodable_records_are_left_in_place() {
+    let env = TestEnv::new().await;
+    let empty = Uuid::new_v4();
+    let null = Uuid::new_v4();
+    let bad_time = Uuid::new_v4();
+    let ok = Uuid::new_v4();
+    let mut null_doc = v7_record(null, "", Uuid::new_v4(), in_ms(-3_000), doc! {});
+    null_doc.insert("Destination", Bson::Null);
+    let mut bad_doc = v7_record(bad_time, &env.queue, Uuid::new_v4(), in_ms(-3_000), doc! {});
+    bad_doc.insert("ProcessManagerId", "not a uuid");
+    env.insert(vec![
+        v7_record(empty, "", Uuid::new_v4(), in_ms(-3_000), doc! {}),
+        null_doc,
+        bad_doc,
+        v7_record(ok, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {}),
+    ])
+    .await;
+    let mut consumer = env.consumer().await;
+    let daemon = start(env.config());
+    let got = consumer.take(2, Duration::from_secs(5)).await;
+    daemon.stop().await;
+    assert_eq!(got.len(), 1, "only the good record is sent");
+    assert_eq!(got[0].header("TimeoutId").unwrap(), ok.to_string());
+    for id in [empty, null, bad_time] {
+        assert!(env.find(id).await.is_some(), "{id} was not deleted");
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_reaper_frees_expired_leases() {
+    let env = TestEnv::new().await;
+    let id = Uuid::new_v4();
+    // A future record whose holder died: leased, lease expired.
+    let mut d = v7_record(id, &env.queue, Uuid::new_v4(), in_ms(3_600_000), doc! {});
+    d.insert("Locked", true);
+    d.insert("LockedBy", uuid(Uuid::new_v4()));
+    d.insert("LockExpiresAt", in_ms(-60_000));
+    env.insert(vec![d]).await;
+    let mut config = env.config();
+    config.reaper.interval = Some(Duration::from_millis(200));
+    let daemon = start(config);
+    let mut free = is_free();
+    free.insert("_id", uuid(id));
+    let freed = eventually(Duration::from_secs(10), || {
+        let f = free.clone();
+        let env = &env;
+        async move { env.count(f).await == 1 }
+    })
+    .await;
+    daemon.stop().await;
+    assert!(freed, "the reaper freed the expired lease");
+    env.cleanup().await;
+}
