@@ -103,7 +103,11 @@ pub fn main(cli: Cli) -> ExitCode {
 
 fn init_logging(config: &Config) {
     // lapin logs every returned message in full at WARN; timeoutd logs the failed send itself.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+    let from_env = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .and_then(|v| tracing_subscriber::EnvFilter::try_new(v).ok());
+    let filter = from_env.unwrap_or_else(|| {
         tracing_subscriber::EnvFilter::new(format!(
             "{},lapin::returned_messages=error",
             config.log.level

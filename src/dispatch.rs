@@ -149,6 +149,7 @@ impl Dispatcher {
         for ((id, r), outcome) in ready.into_iter().zip(outcomes) {
             match outcome {
                 SendOutcome::Confirmed => {
+                    tracing::debug!(timeout_id = %r.id, destination = %r.destination, %owner, late_ms = confirmed_at.timestamp_millis() - r.due.timestamp_millis(), "timeout sent");
                     m::dispatched(r.due, confirmed_at);
                     confirmed.push((id, r));
                 }
