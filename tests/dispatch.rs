@@ -340,3 +340,89 @@ async fn the_daemon_reaper_frees_expired_leases() {
     assert!(freed, "the reaper freed the expired lease");
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_broker_connection_loses_nothing_and_recovers() {
+    let env = TestEnv::new().await;
+    let proxy = common::proxy::Proxy::start(&common::proxy::host_port(&amqp_uri())).await;
+    let mut config = env.config();
+    config.rabbitmq.uri = proxy.rewrite(&amqp_uri());
+    let mut consumer = env.consumer().await;
+    let daemon = start(config);
+    let first = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        first,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+    assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
+
+    proxy.set(common::proxy::Mode::Cut);
+    let ids: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
+    env.insert(
+        ids.iter()
+            .map(|id| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-10), doc! {}))
+            .collect(),
+    )
+    .await;
+    assert!(consumer.take(1, Duration::from_secs(2)).await.is_empty());
+    assert_eq!(
+        env.count(doc! {}).await,
+        20,
+        "nothing deleted while the broker is away"
+    );
+
+    proxy.set(common::proxy::Mode::Forward);
+    let got = consumer.take(20, Duration::from_secs(30)).await;
+    let sent: BTreeSet<String> = got.iter().map(|m| m.header("TimeoutId").unwrap()).collect();
+    let want: BTreeSet<String> = ids.iter().map(Uuid::to_string).collect();
+    assert_eq!(sent, want, "every record sent after the reconnect");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            env.count(doc! {}).await == 0
+        })
+        .await,
+        "and removed"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_creates_its_own_indexes_only() {
+    let env = TestEnv::new().await;
+    let daemon = start(env.config());
+    let ok = eventually(Duration::from_secs(10), || async {
+        env.coll
+            .list_index_names()
+            .await
+            .map(|n| n.iter().any(|i| i == "timeoutd_due"))
+            .unwrap_or(false)
+    })
+    .await;
+    daemon.stop().await;
+    assert!(ok, "timeoutd_due created");
+    let mut cursor = env.coll.list_indexes().await.unwrap();
+    let mut keys = Vec::new();
+    while let Some(ix) = futures::StreamExt::next(&mut cursor).await {
+        let ix = ix.unwrap();
+        keys.push((ix.options.and_then(|o| o.name).unwrap(), ix.keys));
+    }
+    keys.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        keys,
+        vec![
+            ("_id_".to_string(), doc! { "_id": 1 }),
+            ("timeoutd_due".to_string(), doc! { "Time.0": 1 }),
+            (
+                "timeoutd_lease".to_string(),
+                doc! { "Locked": 1, "LockExpiresAt": 1 }
+            ),
+            ("timeoutd_owner".to_string(), doc! { "LockedBy": 1 }),
+        ]
+    );
+    env.cleanup().await;
+}
