@@ -58,6 +58,12 @@ pub enum Command {
     },
     /// Free expired leases once and print how many.
     Reap,
+    /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
+    Health {
+        /// URL to probe [default: /healthz on [http] listen, via 127.0.0.1 for 0.0.0.0]
+        #[arg(long)]
+        url: Option<String>,
+    },
 }
 
 fn parse_header(s: &str) -> Result<(String, String), String> {
@@ -76,9 +82,13 @@ pub fn main(cli: Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Command::CheckConfig = cli.command {
-        print!("{}", config.to_redacted_toml());
-        return ExitCode::SUCCESS;
+    match &cli.command {
+        Command::CheckConfig => {
+            print!("{}", config.to_redacted_toml());
+            return ExitCode::SUCCESS;
+        }
+        Command::Health { url } => return probe_health(url.as_deref(), &config),
+        _ => {}
     }
     init_logging(&config);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -96,6 +106,35 @@ pub fn main(cli: Cli) -> ExitCode {
         Err(e) => {
             tracing::error!("{e:#}");
             eprintln!("timeoutd: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `timeoutd health`: one GET, no async runtime, no logging.
+fn probe_health(url: Option<&str>, config: &Config) -> ExitCode {
+    let url = url.map(str::to_string).unwrap_or_else(|| {
+        let mut addr = config.http.listen;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        format!("http://{addr}/healthz")
+    });
+    let agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .new_agent();
+    match agent.get(&url).call() {
+        Ok(r) if r.status().is_success() => {
+            println!("healthy ({url})");
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            println!("unhealthy: {} ({url})", r.status());
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            println!("unhealthy: {e} ({url})");
             ExitCode::FAILURE
         }
     }
@@ -133,7 +172,7 @@ async fn connected_store(config: &Config) -> anyhow::Result<Store> {
 
 async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
-        Command::CheckConfig => Ok(()),
+        Command::CheckConfig | Command::Health { .. } => Ok(()),
         Command::Run => {
             let token = CancellationToken::new();
             let signals = tokio::spawn(shutdown::on_signal(token.clone()));

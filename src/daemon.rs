@@ -1,7 +1,8 @@
-//! `timeoutd run`: wires the store, the publisher, the dispatch loop, the reaper and the clock
-//! refresher together, one task per concern, and stops them all when the shutdown token is
-//! cancelled.
+//! `timeoutd run`: wires the store, the publisher, the dispatch loop, the reaper, the monitor
+//! (server clock and backlog gauges) and the HTTP endpoints together, one task per concern,
+//! and stops them all when the shutdown token is cancelled.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,78 +12,120 @@ use crate::backoff::Backoff;
 use crate::clock::ServerClock;
 use crate::config::Config;
 use crate::dispatch::Dispatcher;
+use crate::health::Health;
 use crate::metrics as m;
 use crate::publisher::Publisher;
-use crate::reaper;
 use crate::store::{Store, StoreError};
+use crate::{http, reaper};
 
-/// How often the server clock offset is re-estimated.
-pub const CLOCK_REFRESH: Duration = Duration::from_secs(30);
+/// How often the server clock offset and the backlog gauges are refreshed.
+pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 
-/// Runs the daemon until `shutdown` is cancelled. Fails only on what retrying cannot fix
-/// (an invalid URI, an unacknowledged write concern).
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StoreError> {
-    run_with_clock(config, ServerClock::default(), shutdown).await
+/// What stops the daemon from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot listen on http.listen {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
 }
 
-/// [`run`] with a given clock (tests inject a skewed host clock).
-pub async fn run_with_clock(
+/// Runs the daemon until `shutdown` is cancelled. Fails only on what retrying cannot fix
+/// (an invalid URI, an unacknowledged write concern, a port in use).
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
+    run_with(config, ServerClock::default(), shutdown, |_| {}).await
+}
+
+/// [`run`] with a given clock (tests inject a skewed host clock) and a callback told the
+/// address the HTTP endpoints listen on.
+pub async fn run_with(
     config: Config,
     clock: ServerClock,
     shutdown: CancellationToken,
-) -> Result<(), StoreError> {
+    on_listen: impl FnOnce(SocketAddr),
+) -> Result<(), DaemonError> {
     let config = Arc::new(config);
     let store = Store::connect(&config.mongodb, clock).await?;
+    // Installed before anything records a metric.
+    let _ = http::prometheus();
+    let health = Arc::new(Health::new(config.dispatch.poll_interval));
+    let (listener, addr) =
+        http::bind(config.http.listen)
+            .await
+            .map_err(|source| DaemonError::Listen {
+                addr: config.http.listen,
+                source,
+            })?;
+    let http_stop = CancellationToken::new();
+    let http_task = tokio::spawn(http::serve(
+        listener,
+        health.clone(),
+        http::prometheus(),
+        http_stop.clone(),
+    ));
+    tracing::info!(%addr, "HTTP endpoints listening (/metrics, /healthz, /readyz)");
+    on_listen(addr);
     tracing::info!(
         database = %config.mongodb.database,
         collection = %config.mongodb.collection,
         time_encoding = ?config.mongodb.time_encoding,
         "timeoutd starting"
     );
-    if !wait_for_mongodb(&store, &shutdown).await {
-        return Ok(());
-    }
-    store.ensure_indexes().await?;
 
-    let clock_task = tokio::spawn(refresh_clock(store.clone(), shutdown.clone()));
-    let reaper_task = tokio::spawn(reaper::run(
-        store.clone(),
-        config.reaper_interval(),
-        shutdown.clone(),
-    ));
-    let publisher = Publisher::new(&config.rabbitmq.uri, &config.rabbitmq.source_address);
-    let dispatcher = Dispatcher::new(config.clone(), store, publisher, shutdown.clone());
-    let dispatch_task = tokio::spawn(dispatcher.run());
+    if wait_for_mongodb(&store, &health, &shutdown).await {
+        store.ensure_indexes().await?;
+        let monitor_task = tokio::spawn(monitor(store.clone(), health.clone(), shutdown.clone()));
+        let reaper_task = tokio::spawn(reaper::run(
+            store.clone(),
+            config.reaper_interval(),
+            shutdown.clone(),
+        ));
+        let publisher = Publisher::new(&config.rabbitmq.uri, &config.rabbitmq.source_address);
+        let dispatcher = Dispatcher::new(
+            config.clone(),
+            store,
+            publisher,
+            health.clone(),
+            shutdown.clone(),
+        );
+        let dispatch_task = tokio::spawn(dispatcher.run());
 
-    shutdown.cancelled().await;
-    tracing::info!(
-        timeout = ?config.dispatch.shutdown_timeout,
-        "shutting down: no new claims; finishing or releasing what is held"
-    );
-    // The dispatch loop bounds its own wait by shutdown_timeout; the margin covers the
-    // releases that follow.
-    let grace = config.dispatch.shutdown_timeout + Duration::from_secs(5);
-    if tokio::time::timeout(grace, dispatch_task).await.is_err() {
-        tracing::warn!("dispatch loop did not stop in time; its leases will expire");
+        shutdown.cancelled().await;
+        health.start_draining();
+        tracing::info!(
+            timeout = ?config.dispatch.shutdown_timeout,
+            "shutting down: no new claims; finishing or releasing what is held"
+        );
+        // The dispatch loop bounds its own wait by shutdown_timeout; the margin covers the
+        // releases that follow.
+        let grace = config.dispatch.shutdown_timeout + Duration::from_secs(5);
+        if tokio::time::timeout(grace, dispatch_task).await.is_err() {
+            tracing::warn!("dispatch loop did not stop in time; its leases will expire");
+        }
+        let _ = tokio::join!(monitor_task, reaper_task);
     }
-    let _ = tokio::join!(clock_task, reaper_task);
+    http_stop.cancel();
+    let _ = http_task.await;
     tracing::info!("timeoutd stopped");
     Ok(())
 }
 
 /// Retries the first round trip to MongoDB with back-off. `false` if shutdown came first.
-async fn wait_for_mongodb(store: &Store, shutdown: &CancellationToken) -> bool {
+async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &CancellationToken) -> bool {
     let mut backoff = Backoff::reconnect();
     loop {
         match store.refresh_clock().await {
             Ok(offset) => {
-                m::dependency_up(m::MONGODB, true);
+                health.set_up(m::MONGODB, true);
                 m::clock_offset(offset);
                 tracing::info!(clock_offset_ms = offset, "MongoDB reachable");
                 return true;
             }
             Err(e) => {
-                m::dependency_up(m::MONGODB, false);
+                health.set_up(m::MONGODB, false);
                 let wait = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?wait, "MongoDB unreachable");
                 tokio::select! {
@@ -94,16 +137,27 @@ async fn wait_for_mongodb(store: &Store, shutdown: &CancellationToken) -> bool {
     }
 }
 
-/// Keeps the server clock estimate fresh.
-async fn refresh_clock(store: Store, shutdown: CancellationToken) {
+/// Keeps the server clock estimate and the backlog gauges fresh, with one cheap set of
+/// queries every [`MONITOR_INTERVAL`], independent of the poll rate.
+async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(CLOCK_REFRESH) => {}
-            _ = shutdown.cancelled() => return,
-        }
         match store.refresh_clock().await {
-            Ok(offset) => m::clock_offset(offset),
-            Err(e) => tracing::warn!(error = %e, "could not refresh the server clock offset"),
+            Ok(offset) => {
+                health.set_up(m::MONGODB, true);
+                m::clock_offset(offset);
+                match store.stats().await {
+                    Ok(s) => m::backlog(s.due, s.oldest_due_age_seconds),
+                    Err(e) => tracing::debug!(error = %e, "backlog query failed"),
+                }
+            }
+            Err(e) => {
+                health.set_up(m::MONGODB, false);
+                tracing::warn!(error = %e, "could not refresh the server clock offset");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(MONITOR_INTERVAL) => {}
+            _ = shutdown.cancelled() => return,
         }
     }
 }

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::config::Config;
+use crate::health::Health;
 use crate::lease::{Lease, PrePublish};
 use crate::message;
 use crate::metrics as m;
@@ -25,6 +26,7 @@ pub struct Dispatcher {
     config: Arc<Config>,
     store: Store,
     publisher: Publisher,
+    health: Arc<Health>,
     shutdown: CancellationToken,
 }
 
@@ -33,12 +35,14 @@ impl Dispatcher {
         config: Arc<Config>,
         store: Store,
         publisher: Publisher,
+        health: Arc<Health>,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
             config,
             store,
             publisher,
+            health,
             shutdown,
         }
     }
@@ -50,34 +54,36 @@ impl Dispatcher {
         let mut backoff = Backoff::reconnect();
         while !self.shutdown.is_cancelled() {
             if let Err(e) = self.publisher.connect().await {
-                m::dependency_up(m::RABBITMQ, false);
+                self.health.set_up(m::RABBITMQ, false);
                 let wait = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?wait, "RabbitMQ unreachable; not claiming");
                 self.pause(wait).await;
                 continue;
             }
-            m::dependency_up(m::RABBITMQ, true);
+            self.health.set_up(m::RABBITMQ, true);
             let started = std::time::Instant::now();
             let claim = match self.store.claim(d.batch_size, d.lock_lease).await {
                 Ok(c) => c,
                 Err(e) => {
-                    m::dependency_up(m::MONGODB, false);
+                    self.health.set_up(m::MONGODB, false);
                     let wait = backoff.next_delay();
                     tracing::warn!(error = %e, retry_in = ?wait, "claim failed");
                     self.pause(wait).await;
                     continue;
                 }
             };
-            m::dependency_up(m::MONGODB, true);
+            self.health.set_up(m::MONGODB, true);
             m::claim_duration(started.elapsed());
             backoff.reset();
             let claimed = claim.rows.len();
             if claimed > 0 {
                 tracing::debug!(owner = %claim.lease.owner, claimed, "claimed batch");
                 m::claimed(claimed);
+                m::leases_held(claimed);
                 self.process(claim).await;
+                m::leases_held(0);
             }
-            m::poll_completed();
+            self.health.poll_completed();
             if claimed < d.batch_size as usize {
                 self.pause(d.poll_interval).await;
             }
@@ -214,7 +220,7 @@ impl Dispatcher {
                     return;
                 }
                 Err(e) => {
-                    m::dependency_up(m::MONGODB, false);
+                    self.health.set_up(m::MONGODB, false);
                     let wait = backoff.next_delay();
                     tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
                     tokio::time::sleep(wait.min(lease.remaining(self.store.clock().now()))).await;

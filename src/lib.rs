@@ -14,6 +14,7 @@
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
 //! - [`metrics`], metric names and recording;
+//! - [`health`] and [`http`], liveness, readiness and the `/metrics` endpoint;
 //! - [`shutdown`], signals;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
 //! - [`cli`], the command line.
@@ -24,6 +25,8 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod dispatch;
+pub mod health;
+pub mod http;
 pub mod lease;
 pub mod message;
 pub mod metrics;

@@ -67,6 +67,12 @@ pub fn clock_offset(offset_ms: i64) {
     metrics::gauge!("timeoutd_clock_offset_seconds").set(offset_ms as f64 / 1000.0);
 }
 
-pub fn poll_completed() {
-    metrics::counter!("timeoutd_polls_total").increment(1);
+pub fn leases_held(n: usize) {
+    metrics::gauge!("timeoutd_leases_held").set(n as f64);
+}
+
+/// The periodic backlog reading: due and claimable records, and the oldest due age.
+pub fn backlog(due: u64, oldest_due_age_seconds: Option<f64>) {
+    metrics::gauge!("timeoutd_due_backlog").set(due as f64);
+    metrics::gauge!("timeoutd_oldest_due_age_seconds").set(oldest_due_age_seconds.unwrap_or(0.0));
 }

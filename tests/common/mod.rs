@@ -160,6 +160,7 @@ impl TestEnv {
         c.dispatch.lease_safety_margin = Duration::from_secs(2);
         c.dispatch.shutdown_timeout = Duration::from_secs(2);
         c.rabbitmq.publish_timeout = Duration::from_secs(5);
+        c.http.listen = "127.0.0.1:0".parse().unwrap();
         c
     }
 

@@ -1,0 +1,122 @@
+//! Health: what `/healthz` and `/readyz` report. The dispatch loop stamps each completed poll;
+//! the tasks that talk to MongoDB and RabbitMQ record whether they answer; shutdown sets
+//! draining.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::metrics as m;
+
+/// Shared health state; one per daemon.
+#[derive(Debug)]
+pub struct Health {
+    started: Instant,
+    poll_interval: Duration,
+    /// Milliseconds since `started` of the last completed poll; -1 before the first.
+    last_poll_ms: AtomicI64,
+    mongodb_up: AtomicBool,
+    rabbitmq_up: AtomicBool,
+    draining: AtomicBool,
+}
+
+/// The `/readyz` body.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Readiness {
+    pub ready: bool,
+    pub problems: Vec<&'static str>,
+}
+
+impl Health {
+    pub fn new(poll_interval: Duration) -> Self {
+        Self {
+            started: Instant::now(),
+            poll_interval,
+            last_poll_ms: AtomicI64::new(-1),
+            mongodb_up: AtomicBool::new(false),
+            rabbitmq_up: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    /// The dispatch loop completed a poll.
+    pub fn poll_completed(&self) {
+        self.last_poll_ms
+            .store(self.started.elapsed().as_millis() as i64, Ordering::Relaxed);
+    }
+
+    /// Records whether a dependency answers (and exports it as a gauge).
+    pub fn set_up(&self, dependency: &'static str, up: bool) {
+        let flag = if dependency == m::MONGODB {
+            &self.mongodb_up
+        } else {
+            &self.rabbitmq_up
+        };
+        flag.store(up, Ordering::Relaxed);
+        m::dependency_up(dependency, up);
+    }
+
+    /// Shutdown has begun.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Live while a poll completed within three poll intervals. Before the first poll the
+    /// same allowance runs from start-up, plus the time to reach the services.
+    pub fn is_live(&self) -> bool {
+        let allowance = (self.poll_interval * 3).as_millis() as i64;
+        let now = self.started.elapsed().as_millis() as i64;
+        match self.last_poll_ms.load(Ordering::Relaxed) {
+            -1 => now <= allowance + 30_000,
+            last => now - last <= allowance,
+        }
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        let mut problems = Vec::new();
+        if !self.mongodb_up.load(Ordering::Relaxed) {
+            problems.push("mongodb unreachable");
+        }
+        if !self.rabbitmq_up.load(Ordering::Relaxed) {
+            problems.push("rabbitmq unreachable");
+        }
+        if self.draining.load(Ordering::Relaxed) {
+            problems.push("draining");
+        }
+        Readiness {
+            ready: problems.is_empty(),
+            problems,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_with_both_services_and_not_draining() {
+        let h = Health::new(Duration::from_millis(10));
+        assert_eq!(
+            h.readiness().problems,
+            ["mongodb unreachable", "rabbitmq unreachable"]
+        );
+        h.set_up(m::MONGODB, true);
+        h.set_up(m::RABBITMQ, true);
+        assert!(h.readiness().ready);
+        h.start_draining();
+        assert_eq!(h.readiness().problems, ["draining"]);
+    }
+
+    #[test]
+    fn liveness_follows_the_last_poll() {
+        let h = Health::new(Duration::from_millis(10));
+        h.poll_completed();
+        assert!(h.is_live());
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!h.is_live(), "no poll for five intervals");
+        h.poll_completed();
+        assert!(h.is_live());
+    }
+}
