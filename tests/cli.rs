@@ -291,24 +291,10 @@ async fn sigterm_releases_what_was_claimed_and_not_sent() {
 
     // Wait for the daemon's broker connection, then freeze it: publishes go nowhere.
     let mut consumer = env.consumer().await;
-    let canary = Uuid::new_v4();
-    env.insert(vec![v7_record(
-        canary,
-        &env.queue,
-        Uuid::new_v4(),
-        in_ms(-10),
-        doc! {},
-    )])
-    .await;
+    env.insert_due(1).await;
     assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
     proxy.set(Mode::Stall);
-    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
-    env.insert(
-        ids.iter()
-            .map(|id| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-10), doc! {}))
-            .collect(),
-    )
-    .await;
+    env.insert_due(5).await;
     let claimed = eventually(Duration::from_secs(10), || async {
         env.count(doc! { "Locked": true }).await == 5
     })

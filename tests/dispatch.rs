@@ -349,25 +349,11 @@ async fn a_lost_broker_connection_loses_nothing_and_recovers() {
     config.rabbitmq.uri = proxy.rewrite(&amqp_uri());
     let mut consumer = env.consumer().await;
     let daemon = start(config);
-    let first = Uuid::new_v4();
-    env.insert(vec![v7_record(
-        first,
-        &env.queue,
-        Uuid::new_v4(),
-        in_ms(-10),
-        doc! {},
-    )])
-    .await;
+    env.insert_due(1).await;
     assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
 
     proxy.set(common::proxy::Mode::Cut);
-    let ids: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
-    env.insert(
-        ids.iter()
-            .map(|id| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-10), doc! {}))
-            .collect(),
-    )
-    .await;
+    let ids = env.insert_due(20).await;
     assert!(consumer.take(1, Duration::from_secs(2)).await.is_empty());
     assert_eq!(
         env.count(doc! {}).await,

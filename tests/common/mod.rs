@@ -200,6 +200,18 @@ impl TestEnv {
         }
     }
 
+    /// Inserts `n` free records due 10 ms ago, addressed to this test's queue.
+    pub async fn insert_due(&self, n: usize) -> Vec<Uuid> {
+        let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+        self.insert(
+            ids.iter()
+                .map(|id| v7_record(*id, &self.queue, Uuid::new_v4(), in_ms(-10), doc! {}))
+                .collect(),
+        )
+        .await;
+        ids
+    }
+
     pub async fn count(&self, filter: Document) -> u64 {
         self.coll.count_documents(filter).await.expect("count")
     }
