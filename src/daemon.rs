@@ -137,27 +137,28 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
     }
 }
 
-/// Keeps the server clock estimate and the backlog gauges fresh, with one cheap set of
-/// queries every [`MONITOR_INTERVAL`], independent of the poll rate.
+/// Keeps the backlog gauges and the server clock estimate fresh, with one cheap set of
+/// queries every [`MONITOR_INTERVAL`], independent of the poll rate. The clock was read just
+/// before this starts, so the first pass only reads the backlog.
 async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
     loop {
+        match store.stats().await {
+            Ok(s) => m::backlog(s.due, s.oldest_due_age_seconds),
+            Err(e) => tracing::debug!(error = %e, "backlog query failed"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(MONITOR_INTERVAL) => {}
+            _ = shutdown.cancelled() => return,
+        }
         match store.refresh_clock().await {
             Ok(offset) => {
                 health.set_up(m::MONGODB, true);
                 m::clock_offset(offset);
-                match store.stats().await {
-                    Ok(s) => m::backlog(s.due, s.oldest_due_age_seconds),
-                    Err(e) => tracing::debug!(error = %e, "backlog query failed"),
-                }
             }
             Err(e) => {
                 health.set_up(m::MONGODB, false);
                 tracing::warn!(error = %e, "could not refresh the server clock offset");
             }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(MONITOR_INTERVAL) => {}
-            _ = shutdown.cancelled() => return,
         }
     }
 }
