@@ -113,19 +113,26 @@ pub async fn run_with(
     Ok(())
 }
 
+/// Re-reads the server clock; records the offset and whether MongoDB answered.
+async fn read_server_clock(store: &Store, health: &Health) -> Result<i64, StoreError> {
+    let result = store.refresh_clock().await;
+    health.set_up(m::MONGODB, result.is_ok());
+    if let Ok(offset) = &result {
+        m::clock_offset(*offset);
+    }
+    result
+}
+
 /// Retries the first round trip to MongoDB with back-off. `false` if shutdown came first.
 async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &CancellationToken) -> bool {
     let mut backoff = Backoff::reconnect();
     loop {
-        match store.refresh_clock().await {
+        match read_server_clock(store, health).await {
             Ok(offset) => {
-                health.set_up(m::MONGODB, true);
-                m::clock_offset(offset);
                 tracing::info!(clock_offset_ms = offset, "MongoDB reachable");
                 return true;
             }
             Err(e) => {
-                health.set_up(m::MONGODB, false);
                 let wait = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?wait, "MongoDB unreachable");
                 tokio::select! {
@@ -150,15 +157,8 @@ async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken)
             _ = tokio::time::sleep(MONITOR_INTERVAL) => {}
             _ = shutdown.cancelled() => return,
         }
-        match store.refresh_clock().await {
-            Ok(offset) => {
-                health.set_up(m::MONGODB, true);
-                m::clock_offset(offset);
-            }
-            Err(e) => {
-                health.set_up(m::MONGODB, false);
-                tracing::warn!(error = %e, "could not refresh the server clock offset");
-            }
+        if let Err(e) = read_server_clock(&store, &health).await {
+            tracing::warn!(error = %e, "could not refresh the server clock offset");
         }
     }
 }

@@ -113,11 +113,11 @@ impl Dispatcher {
                 Err(e) => {
                     // Left leased: it comes back after the lease expires, never hot.
                     tracing::warn!(timeout_id = %display_id(&row.id), %owner, error = %e, "undecodable record left in place");
-                    m::skipped("undecodable");
+                    m::skipped("undecodable", 1);
                 }
                 Ok(r) if r.destination.is_empty() => {
                     tracing::warn!(timeout_id = %r.id, destination = "", %owner, "record has no Destination; left in place, not sent");
-                    m::skipped("empty_destination");
+                    m::skipped("empty_destination", 1);
                 }
                 Ok(r) => match lease.before_publish(now, margin) {
                     PrePublish::Publish => ready.push((row.id, r)),
@@ -126,7 +126,7 @@ impl Dispatcher {
             }
         }
         if !too_late.is_empty() {
-            m::skipped_n("margin", too_late.len());
+            m::skipped("margin", too_late.len());
             self.release(&too_late, owner, "margin").await;
         }
         if ready.is_empty() {

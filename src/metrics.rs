@@ -39,11 +39,7 @@ pub fn reaped(n: u64) {
     metrics::counter!("timeoutd_reaped_total").increment(n);
 }
 
-pub fn skipped(reason: &'static str) {
-    skipped_n(reason, 1);
-}
-
-pub fn skipped_n(reason: &'static str, n: usize) {
+pub fn skipped(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_skipped_total", "reason" => reason).increment(n as u64);
 }
 

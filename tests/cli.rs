@@ -220,47 +220,26 @@ async fn schedule_stats_and_reap_work_on_the_collection() {
 
 #[tokio::test]
 async fn schedule_rejects_bad_input_with_exit_2() {
-    for args in [
-        vec![
+    let nil = Uuid::nil().to_string();
+    // destination, correlation id, delay, extra arguments: one bad value in each.
+    let cases: [(&str, &str, &str, &[&str]); 4] = [
+        ("q", "nope", "1s", &[]),
+        ("q", &nil, "soon", &[]),
+        ("", &nil, "1s", &[]),
+        ("q", &nil, "1s", &["--header", "novalue"]),
+    ];
+    for (destination, correlation_id, delay, extra) in cases {
+        let mut args = vec![
             "schedule",
             "--destination",
-            "q",
+            destination,
             "--correlation-id",
-            "nope",
+            correlation_id,
             "--in",
-            "1s",
-        ],
-        vec![
-            "schedule",
-            "--destination",
-            "q",
-            "--correlation-id",
-            &Uuid::nil().to_string(),
-            "--in",
-            "soon",
-        ],
-        vec![
-            "schedule",
-            "--destination",
-            "",
-            "--correlation-id",
-            &Uuid::nil().to_string(),
-            "--in",
-            "1s",
-        ],
-        vec![
-            "schedule",
-            "--destination",
-            "q",
-            "--correlation-id",
-            &Uuid::nil().to_string(),
-            "--in",
-            "1s",
-            "--header",
-            "novalue",
-        ],
-    ] {
-        let o = run(&args.iter().map(|s| s.as_ref()).collect::<Vec<&str>>(), &[]);
+            delay,
+        ];
+        args.extend_from_slice(extra);
+        let o = run(&args, &[]);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bson::{Bson, doc};
 use common::*;
 use timeoutd::clock::ServerClock;
-use timeoutd::store::{Store, StoreError};
+use timeoutd::store::{Claim, Store, StoreError};
 use uuid::Uuid;
 
 async fn store(env: &TestEnv) -> Store {
@@ -18,6 +18,15 @@ async fn store(env: &TestEnv) -> Store {
         .expect("store");
     s.refresh_clock().await.expect("server clock");
     s
+}
+
+/// The record ids of a claim, in claim order.
+fn ids_of(claim: &Claim) -> Vec<Uuid> {
+    claim
+        .rows
+        .iter()
+        .map(|r| r.record.as_ref().expect("decodable").id)
+        .collect()
 }
 
 #[tokio::test]
@@ -58,18 +67,10 @@ async fn claim_takes_due_records_oldest_first_and_nothing_else() {
 
     let s = store(&env).await;
     let claim = s.claim(4, Duration::from_secs(30)).await.unwrap();
-    let got: Vec<Uuid> = claim
-        .rows
-        .iter()
-        .map(|r| r.record.as_ref().unwrap().id)
-        .collect();
+    let got = ids_of(&claim);
     assert_eq!(got, ids[..4], "the four oldest due records, oldest first");
     let rest = s.claim(10, Duration::from_secs(30)).await.unwrap();
-    let got: Vec<Uuid> = rest
-        .rows
-        .iter()
-        .map(|r| r.record.as_ref().unwrap().id)
-        .collect();
+    let got = ids_of(&rest);
     assert_eq!(
         got,
         ids[4..],
@@ -178,7 +179,7 @@ async fn racing_claims_never_share_a_record() {
                 if c.rows.is_empty() {
                     break;
                 }
-                mine.extend(c.rows.into_iter().map(|r| r.record.unwrap().id));
+                mine.extend(ids_of(&c));
             }
             mine
         }));
