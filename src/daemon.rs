@@ -16,7 +16,7 @@ use crate::health::Health;
 use crate::metrics as m;
 use crate::publisher::Publisher;
 use crate::store::{Store, StoreError};
-use crate::{http, reaper};
+use crate::{http, reaper, systemd};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
@@ -67,6 +67,7 @@ pub async fn run_with(
         http_stop.clone(),
     ));
     tracing::info!(%addr, "HTTP endpoints listening (/metrics, /healthz, /readyz)");
+    let notify_task = tokio::spawn(systemd::run(health.clone(), shutdown.clone()));
     on_listen(addr);
     tracing::info!(
         database = %config.mongodb.database,
@@ -95,6 +96,7 @@ pub async fn run_with(
 
         shutdown.cancelled().await;
         health.start_draining();
+        systemd::stopping();
         tracing::info!(
             timeout = ?config.dispatch.shutdown_timeout,
             "shutting down: no new claims; finishing or releasing what is held"
@@ -108,7 +110,7 @@ pub async fn run_with(
         let _ = tokio::join!(monitor_task, reaper_task);
     }
     http_stop.cancel();
-    let _ = http_task.await;
+    let _ = tokio::join!(http_task, notify_task);
     tracing::info!("timeoutd stopped");
     Ok(())
 }
@@ -135,6 +137,7 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
             Err(e) => {
                 let wait = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?wait, "MongoDB unreachable");
+                health.waiting(wait);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = shutdown.cancelled() => return false,

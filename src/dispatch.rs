@@ -57,6 +57,7 @@ impl Dispatcher {
                 self.health.set_up(m::RABBITMQ, false);
                 let wait = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?wait, "RabbitMQ unreachable; not claiming");
+                self.health.waiting(wait);
                 self.pause(wait).await;
                 continue;
             }
@@ -68,6 +69,7 @@ impl Dispatcher {
                     self.health.set_up(m::MONGODB, false);
                     let wait = backoff.next_delay();
                     tracing::warn!(error = %e, retry_in = ?wait, "claim failed");
+                    self.health.waiting(wait);
                     self.pause(wait).await;
                     continue;
                 }
@@ -144,6 +146,8 @@ impl Dispatcher {
             .map(|(_, r)| message::build(r, &self.config.rabbitmq, sent_at))
             .collect();
         let stop_waiting = self.confirm_deadline();
+        // A wait bounded by publish_timeout is not a stall.
+        self.health.waiting(self.config.rabbitmq.publish_timeout);
         let publish_started = std::time::Instant::now();
         let outcomes = self.publisher.publish_batch(&messages, &stop_waiting).await;
         stop_waiting.cancel();
@@ -223,6 +227,7 @@ impl Dispatcher {
                     self.health.set_up(m::MONGODB, false);
                     let wait = backoff.next_delay();
                     tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
+                    self.health.waiting(wait);
                     tokio::time::sleep(wait.min(lease.remaining(self.store.clock().now()))).await;
                 }
             }

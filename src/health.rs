@@ -42,8 +42,16 @@ impl Health {
 
     /// The dispatch loop completed a poll.
     pub fn poll_completed(&self) {
+        self.waiting(Duration::ZERO);
+    }
+
+    /// The dispatch loop handled a failure and will try again after `wait`: it is not
+    /// stalled, so liveness counts from the next attempt. (A dependency that is down is
+    /// reported by readiness; restarting timeoutd would not bring it back.)
+    pub fn waiting(&self, wait: Duration) {
+        let at = self.started.elapsed() + wait;
         self.last_poll_ms
-            .store(self.started.elapsed().as_millis() as i64, Ordering::Relaxed);
+            .store(at.as_millis() as i64, Ordering::Relaxed);
     }
 
     /// Records whether a dependency answers (and exports it as a gauge).
@@ -118,5 +126,8 @@ mod tests {
         assert!(!h.is_live(), "no poll for five intervals");
         h.poll_completed();
         assert!(h.is_live());
+        h.waiting(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(h.is_live(), "waiting out a back-off is not a stall");
     }
 }

@@ -35,3 +35,4 @@ pub mod reaper;
 pub mod record;
 pub mod shutdown;
 pub mod store;
+pub mod systemd;

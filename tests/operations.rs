@@ -4,6 +4,7 @@
 mod common;
 
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::doc;
@@ -17,32 +18,53 @@ const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
 struct Daemon {
     child: tokio::process::Child,
     base: String,
+    /// Every line the daemon wrote to stderr so far.
+    logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl Daemon {
+    fn logs(&self) -> Vec<String> {
+        self.logs.lock().unwrap().clone()
+    }
+
+    fn sigterm(&self) {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(self.child.id().unwrap() as i32, libc::SIGTERM) };
+    }
 }
 
 async fn spawn(vars: Vec<(String, String)>) -> Daemon {
     let mut child = tokio::process::Command::new(BIN)
         .arg("run")
-        .envs(vars)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
+        .envs(vars)
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let logs = Arc::new(Mutex::new(Vec::new()));
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let kept = logs.clone();
     tokio::spawn(async move {
         let mut tx = Some(tx);
         while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(i) = line.find("addr=") {
-                let addr: String = line[i + 5..]
-                    .chars()
-                    .take_while(|c| !c.is_whitespace())
-                    .collect();
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr);
-                }
+            // Text logs say addr=HOST:PORT; JSON logs say "addr":"HOST:PORT".
+            let addr = line
+                .split_once("addr=")
+                .or_else(|| line.split_once("\"addr\":\""))
+                .map(|(_, rest)| {
+                    rest.chars()
+                        .take_while(|c| !c.is_whitespace() && *c != '"')
+                        .collect::<String>()
+                });
+            if let Some(addr) = addr
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr);
             }
+            kept.lock().unwrap().push(line);
         }
     });
     let addr = tokio::time::timeout(Duration::from_secs(20), rx)
@@ -52,6 +74,7 @@ async fn spawn(vars: Vec<(String, String)>) -> Daemon {
     Daemon {
         child,
         base: format!("http://{addr}"),
+        logs,
     }
 }
 
@@ -218,8 +241,7 @@ async fn readyz_follows_rabbitmq_and_turns_503_on_sigterm() {
         })
         .await
     );
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(d.child.id().unwrap() as i32, libc::SIGTERM) };
+    d.sigterm();
     let url = format!("{}/readyz", d.base);
     let draining = eventually(Duration::from_secs(3), || {
         let url = url.clone();
@@ -234,5 +256,215 @@ async fn readyz_follows_rabbitmq_and_turns_503_on_sigterm() {
     assert_eq!(status.code(), Some(0));
     assert_eq!(env.count(is_free()).await, 1, "released on the way out");
     proxy.set(Mode::Forward);
+    env.cleanup().await;
+}
+
+/// Collects what the daemon sends to a `NOTIFY_SOCKET`, as systemd would.
+struct NotifySocket {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    socket: tokio::net::UnixDatagram,
+}
+
+impl NotifySocket {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify.sock");
+        let socket = tokio::net::UnixDatagram::bind(&path).unwrap();
+        Self {
+            _dir: dir,
+            path,
+            socket,
+        }
+    }
+
+    /// Waits up to `within` for a datagram containing `line`.
+    async fn expect(&self, line: &str, within: Duration) -> bool {
+        let mut buf = vec![0u8; 4096];
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, self.socket.recv(&mut buf)).await {
+                Ok(Ok(n))
+                    if String::from_utf8_lossy(&buf[..n])
+                        .lines()
+                        .any(|l| l == line) =>
+                {
+                    return true;
+                }
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// Discards whatever has arrived so far.
+    fn drain(&self) {
+        let mut buf = vec![0u8; 4096];
+        while self.socket.try_recv(&mut buf).is_ok() {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_notify_and_healthz_follow_a_stalled_loop() {
+    let env = TestEnv::new().await;
+    let proxy = Proxy::start(&host_port(&mongo_uri())).await;
+    let mut config = env.config();
+    config.mongodb.uri = with_query(&proxy.rewrite(&mongo_uri()), "directConnection=true");
+    let notify = NotifySocket::new();
+    let mut vars = env.env_vars(&config);
+    vars.push(("NOTIFY_SOCKET".into(), notify.path.to_str().unwrap().into()));
+    // A one-second watchdog: petted every half second while the loop is live.
+    vars.push(("WATCHDOG_USEC".into(), "1000000".into()));
+    let mut d = spawn(vars).await;
+    let healthz = |want: u16| {
+        let url = format!("{}/healthz", d.base);
+        async move {
+            eventually(Duration::from_secs(10), || {
+                let url = url.clone();
+                async move { get(url).await.0 == want }
+            })
+            .await
+        }
+    };
+
+    assert!(
+        notify.expect("READY=1", Duration::from_secs(20)).await,
+        "READY=1 once both services answer"
+    );
+    assert!(notify.expect("WATCHDOG=1", Duration::from_secs(3)).await);
+    assert!(healthz(200).await);
+
+    // Stall MongoDB: the claim in flight never returns, so no poll completes.
+    proxy.set(Mode::Stall);
+    assert!(
+        healthz(503).await,
+        "/healthz is 503 while the loop is stalled"
+    );
+    notify.drain();
+    assert!(
+        !notify
+            .expect("WATCHDOG=1", Duration::from_millis(1500))
+            .await,
+        "the watchdog is not petted while the loop is stalled"
+    );
+
+    proxy.set(Mode::Forward);
+    assert!(healthz(200).await, "/healthz recovers with the loop");
+    assert!(notify.expect("WATCHDOG=1", Duration::from_secs(3)).await);
+
+    d.sigterm();
+    assert!(
+        notify.expect("STOPPING=1", Duration::from_secs(5)).await,
+        "STOPPING=1 at shutdown"
+    );
+    let status = tokio::time::timeout(Duration::from_secs(20), d.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_name_each_record_with_its_destination_and_owner() {
+    let env = TestEnv::new().await;
+    let missing = format!("timeoutd-test-missing-{}", Uuid::new_v4().simple());
+    let sent = Uuid::new_v4();
+    let unroutable = Uuid::new_v4();
+    env.insert(vec![
+        v7_record(sent, &env.queue, Uuid::new_v4(), in_ms(-10), doc! {}),
+        v7_record(unroutable, &missing, Uuid::new_v4(), in_ms(-10), doc! {}),
+    ])
+    .await;
+    let mut consumer = env.consumer().await;
+    let mut vars = env.env_vars(&env.config());
+    vars.push(("TIMEOUTD_LOG__FORMAT".into(), "json".into()));
+    vars.push(("RUST_LOG".into(), "timeoutd=debug".into()));
+    let mut d = spawn(vars).await;
+    assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
+    let logged = |id: Uuid| {
+        let logs = d.logs.clone();
+        async move {
+            eventually(Duration::from_secs(10), || {
+                let logs = logs.clone();
+                async move {
+                    let needle = id.to_string();
+                    logs.lock().unwrap().iter().any(|l| l.contains(&needle))
+                }
+            })
+            .await
+        }
+    };
+    assert!(logged(sent).await && logged(unroutable).await);
+    d.sigterm();
+    d.child.wait().await.unwrap();
+
+    let mut about_records = 0;
+    for line in d.logs() {
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("not one JSON object a line ({e}): {line}"));
+        for key in ["timestamp", "level", "message"] {
+            assert!(v.get(key).is_some(), "{key} missing: {line}");
+        }
+        if let Some(id) = v.get("timeout_id") {
+            about_records += 1;
+            assert!(id.is_string(), "{line}");
+            assert!(v.get("destination").is_some(), "no destination: {line}");
+            let owner = v.get("owner").and_then(|o| o.as_str()).unwrap_or("");
+            assert!(Uuid::parse_str(owner).is_ok(), "no owner: {line}");
+        }
+    }
+    assert!(
+        about_records >= 2,
+        "a sent line and a failed-send line name their records"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_never_appear_in_logs_errors_or_endpoints() {
+    let env = TestEnv::new().await;
+    let secret = "s3cret-pw-7c1f";
+    let (scheme, rest) = mongo_uri()
+        .split_once("://")
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .unwrap();
+    let bad_mongodb = format!("{scheme}://timeoutd:{secret}@{rest}");
+    let bad_amqp = format!("amqp://guest:{secret}@{}/%2f", host_port(&amqp_uri()));
+    // Each service in turn refuses a wrong password; the daemon logs the failure.
+    for (mongodb, amqp, failure) in [
+        (mongo_uri(), bad_amqp.clone(), "RabbitMQ unreachable"),
+        (bad_mongodb.clone(), amqp_uri(), "MongoDB unreachable"),
+    ] {
+        let mut config = env.config();
+        config.mongodb.uri = mongodb;
+        config.rabbitmq.uri = amqp;
+        let mut vars = env.env_vars(&config);
+        vars.push(("RUST_LOG".into(), "debug".into()));
+        let mut d = spawn(vars).await;
+        let logs = d.logs.clone();
+        let failed = eventually(Duration::from_secs(10), || {
+            let logs = logs.clone();
+            async move { logs.lock().unwrap().iter().any(|l| l.contains(failure)) }
+        })
+        .await;
+        assert!(failed, "{failure} is logged");
+        let mut seen = Vec::new();
+        for path in ["/metrics", "/readyz", "/healthz"] {
+            seen.push(get(format!("{}{path}", d.base)).await.1);
+        }
+        d.sigterm();
+        let _ = tokio::time::timeout(Duration::from_secs(20), d.child.wait()).await;
+        seen.extend(d.logs());
+        let check = std::process::Command::new(BIN)
+            .args(["check-config"])
+            .envs(env.env_vars(&config))
+            .output()
+            .unwrap();
+        seen.push(String::from_utf8_lossy(&check.stdout).into_owned());
+        seen.push(String::from_utf8_lossy(&check.stderr).into_owned());
+        let all = seen.join("\n");
+        assert!(!all.contains("s3cret"), "password leaked: {all}");
+    }
     env.cleanup().await;
 }
