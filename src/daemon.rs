@@ -21,6 +21,9 @@ use crate::{http, reaper, systemd};
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 
+/// How long after `shutdown_timeout` the daemon waits for the dispatch loop's releases.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// What stops the daemon from starting.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -103,7 +106,7 @@ pub async fn run_with(
         );
         // The dispatch loop bounds its own wait by shutdown_timeout; the margin covers the
         // releases that follow.
-        let grace = config.dispatch.shutdown_timeout + Duration::from_secs(5);
+        let grace = config.dispatch.shutdown_timeout + SHUTDOWN_GRACE;
         if tokio::time::timeout(grace, dispatch_task).await.is_err() {
             tracing::warn!("dispatch loop did not stop in time; its leases will expire");
         }

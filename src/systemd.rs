@@ -13,34 +13,34 @@ use crate::health::Health;
 /// How often readiness is checked before `READY=1` is sent.
 const READY_CHECK: Duration = Duration::from_millis(100);
 
-/// Sends `READY=1` once the instance is ready, then pets the watchdog at half its period for
+/// Sends `READY=1` once the instance is ready, and pets the watchdog at half its period for
 /// as long as the dispatch loop is live. A stalled loop stops the petting, and systemd
 /// restarts the service after `WatchdogSec`.
 pub async fn run(health: Arc<Health>, shutdown: CancellationToken) {
-    loop {
-        if health.readiness().ready {
-            send(&[NotifyState::Ready, NotifyState::Status("dispatching")]);
-            break;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(READY_CHECK) => {}
-            _ = shutdown.cancelled() => return,
-        }
-    }
-    let Some(period) = sd_notify::watchdog_enabled() else {
-        return;
-    };
+    let watchdog = sd_notify::watchdog_enabled();
+    let mut ready = false;
     let mut was_live = true;
     loop {
+        if !ready && health.readiness().ready {
+            send(&[NotifyState::Ready, NotifyState::Status("dispatching")]);
+            ready = true;
+        }
         let live = health.is_live();
-        if live {
-            send(&[NotifyState::Watchdog]);
-        } else if was_live {
-            tracing::error!(watchdog = ?period, "dispatch loop stalled: no longer notifying the systemd watchdog");
+        if let Some(period) = watchdog {
+            if live {
+                send(&[NotifyState::Watchdog]);
+            } else if was_live {
+                tracing::error!(watchdog = ?period, "dispatch loop stalled: no longer notifying the systemd watchdog");
+            }
         }
         was_live = live;
+        let tick = match (ready, watchdog) {
+            (false, _) => READY_CHECK,
+            (true, Some(period)) => period / 2,
+            (true, None) => return,
+        };
         tokio::select! {
-            _ = tokio::time::sleep(period / 2) => {}
+            _ = tokio::time::sleep(tick) => {}
             _ = shutdown.cancelled() => return,
         }
     }
