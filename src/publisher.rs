@@ -5,6 +5,8 @@
 //! [`SendOutcome`]; only [`SendOutcome::Confirmed`] may lead to deleting its record.
 
 use futures::future::join_all;
+use std::collections::HashSet;
+
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection, ConnectionProperties};
@@ -45,6 +47,47 @@ impl SendOutcome {
             SendOutcome::Connection(_) => "connection",
         }
     }
+}
+
+/// Turns the confirmations of one batch into one outcome per message.
+///
+/// A `basic.return` precedes its message's ack, but lapin hands each return to whichever ack
+/// it resolves next, which under pipelining and multiple-acks is often another message's.
+/// So returns are matched to messages by `MessageId`, never by the ack they came with. A
+/// return that names no message of the batch makes every acked message of the batch count
+/// as returned: sent again rather than lost.
+fn settle(
+    message_ids: &[Option<String>],
+    confirms: Vec<Result<Confirmation, SendOutcome>>,
+) -> Vec<SendOutcome> {
+    let mut returned: HashSet<String> = HashSet::new();
+    let mut unattributed = false;
+    for c in &confirms {
+        if let Ok(Confirmation::Ack(Some(r)) | Confirmation::Nack(Some(r))) = c {
+            match r.delivery.properties.message_id() {
+                Some(id) if message_ids.iter().flatten().any(|m| m == id.as_str()) => {
+                    returned.insert(id.to_string());
+                }
+                _ => unattributed = true,
+            }
+        }
+    }
+    confirms
+        .into_iter()
+        .zip(message_ids)
+        .map(|(c, id)| {
+            let was_returned = id.as_ref().is_some_and(|id| returned.contains(id));
+            match c {
+                Ok(Confirmation::Ack(_)) if was_returned || unattributed => SendOutcome::Returned,
+                Ok(Confirmation::Ack(_)) => SendOutcome::Confirmed,
+                Ok(Confirmation::Nack(_)) => SendOutcome::Nacked,
+                Ok(Confirmation::NotRequested) => {
+                    SendOutcome::Connection("channel is not in confirm mode".into())
+                }
+                Err(outcome) => outcome,
+            }
+        })
+        .collect()
 }
 
 /// A RabbitMQ publisher that reconnects on demand.
@@ -133,25 +176,22 @@ impl Publisher {
                 }
             }
         }
-        let outcomes = join_all(pending.into_iter().map(|p| async move {
+        let confirms = join_all(pending.into_iter().map(|p| async move {
             let confirm = match p {
                 Ok(c) => c,
-                Err(e) => return SendOutcome::Connection(e),
+                Err(e) => return Err(SendOutcome::Connection(e)),
             };
             tokio::select! {
-                c = confirm => match c {
-                    Ok(Confirmation::Ack(None)) => SendOutcome::Confirmed,
-                    Ok(Confirmation::Ack(Some(_))) => SendOutcome::Returned,
-                    Ok(Confirmation::Nack(_)) => SendOutcome::Nacked,
-                    Ok(Confirmation::NotRequested) => {
-                        SendOutcome::Connection("channel is not in confirm mode".into())
-                    }
-                    Err(e) => SendOutcome::Connection(e.to_string()),
-                },
-                _ = stop_waiting.cancelled() => SendOutcome::TimedOut,
+                c = confirm => c.map_err(|e| SendOutcome::Connection(e.to_string())),
+                _ = stop_waiting.cancelled() => Err(SendOutcome::TimedOut),
             }
         }))
         .await;
+        let ids: Vec<Option<String>> = messages
+            .iter()
+            .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
+            .collect();
+        let outcomes = settle(&ids, confirms);
         if broken.is_some() || !self.is_connected() {
             self.link = None;
         }
