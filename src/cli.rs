@@ -1,4 +1,4 @@
-//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`.
+//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`.
 //!
 //! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments.
 
@@ -14,7 +14,8 @@ use uuid::Uuid;
 
 use crate::clock::ServerClock;
 use crate::config::{Config, LogFormat};
-use crate::record::TimeoutRecord;
+use crate::parking::{Parking, Requeued};
+use crate::record::{TimeoutRecord, display_id};
 use crate::store::{Store, server_time_in};
 use crate::{daemon, shutdown};
 
@@ -58,11 +59,41 @@ pub enum Command {
     },
     /// Free expired leases once and print how many.
     Reap,
+    /// Records timeoutd gave up on (poison, or refused max_attempts times).
+    Parked {
+        #[command(subcommand)]
+        action: ParkedCommand,
+    },
     /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
     Health {
         /// URL to probe [default: /healthz on [http] listen, via 127.0.0.1 for 0.0.0.0]
         #[arg(long)]
         url: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ParkedCommand {
+    /// List parked records, oldest first.
+    List {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put parked records back into the timeouts collection, free, with their original Time
+    /// (a past Time fires at the next poll), and reset their attempt counts.
+    Requeue {
+        /// The record's id as `parked list` shows it.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<String>,
+        /// Requeue every parked record.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete a parked record for good.
+    Drop {
+        /// The record's id as `parked list` shows it.
+        id: String,
     },
 }
 
@@ -217,6 +248,8 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
                     Some(age) => println!("oldest_due_age  {age:.3}s"),
                     None => println!("oldest_due_age  -"),
                 }
+                println!("retrying        {}", stats.retrying);
+                println!("parked          {}", stats.parked);
             }
             Ok(())
         }
@@ -226,5 +259,62 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             println!("freed {freed} expired leases");
             Ok(())
         }
+        Command::Parked { action } => {
+            let parking = connected_store(&config).await?.parking();
+            parked(action, &parking).await
+        }
     }
+}
+
+/// `timeoutd parked list|requeue|drop`.
+async fn parked(action: ParkedCommand, parking: &Parking) -> anyhow::Result<()> {
+    let find = |shown: String| async move {
+        parking
+            .find_id(&shown)
+            .await?
+            .with_context(|| format!("no parked record has id {shown}"))
+    };
+    match action {
+        ParkedCommand::List { json } => {
+            let records = parking.list().await?;
+            if json {
+                println!("{}", serde_json::to_string(&records)?);
+            } else {
+                for r in &records {
+                    println!(
+                        "{}  {}  {}  attempts={}  destination={}  {}",
+                        r.id,
+                        r.parked_at,
+                        r.reason,
+                        r.attempts,
+                        r.destination.as_deref().unwrap_or("-"),
+                        r.error
+                    );
+                }
+                println!("{} parked", records.len());
+            }
+        }
+        ParkedCommand::Requeue { id, all } => {
+            let ids = match (id, all) {
+                (Some(shown), _) => vec![find(shown).await?],
+                (None, _) => parking.all_ids().await?,
+            };
+            for id in ids {
+                let shown = display_id(&id);
+                match parking.requeue(&id).await? {
+                    Some(Requeued::Requeued) => println!("requeued {shown}"),
+                    Some(Requeued::AlreadyInTimeouts) => println!(
+                        "{shown} is still in the timeouts collection; dropped the parked copy"
+                    ),
+                    None => println!("{shown} is no longer parked"),
+                }
+            }
+        }
+        ParkedCommand::Drop { id } => {
+            let id = find(id).await?;
+            parking.drop(&id).await?;
+            println!("dropped {}", display_id(&id));
+        }
+    }
+    Ok(())
 }

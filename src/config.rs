@@ -30,6 +30,7 @@ pub struct Config {
     pub mongodb: MongoConfig,
     pub rabbitmq: RabbitConfig,
     pub dispatch: DispatchConfig,
+    pub retry: RetryConfig,
     pub reaper: ReaperConfig,
     pub http: HttpConfig,
     pub log: LogConfig,
@@ -40,18 +41,46 @@ pub struct Config {
 #[serde(deny_unknown_fields, default)]
 pub struct MongoConfig {
     pub uri: String,
+    /// A file holding the URI (a mounted secret); replaces `uri` when set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uri_file: Option<PathBuf>,
     pub database: String,
     pub collection: String,
     pub time_encoding: TimeEncoding,
+    /// Where parked records go; `<collection>_parked` when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parked_collection: Option<String>,
+    /// Where failed-send counts are kept; `<collection>_attempts` when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attempts_collection: Option<String>,
+}
+
+impl MongoConfig {
+    /// The collection parked records are moved to.
+    pub fn parked_collection(&self) -> String {
+        self.parked_collection
+            .clone()
+            .unwrap_or_else(|| format!("{}_parked", self.collection))
+    }
+
+    /// The collection that counts failed sends per record.
+    pub fn attempts_collection(&self) -> String {
+        self.attempts_collection
+            .clone()
+            .unwrap_or_else(|| format!("{}_attempts", self.collection))
+    }
 }
 
 impl Default for MongoConfig {
     fn default() -> Self {
         Self {
             uri: "mongodb://127.0.0.1:27017".into(),
+            uri_file: None,
             database: "RMessageBusPersistentStore".into(),
             collection: "Timeouts".into(),
             time_encoding: TimeEncoding::DotnetTicks,
+            parked_collection: None,
+            attempts_collection: None,
         }
     }
 }
@@ -71,6 +100,9 @@ pub enum TimeEncoding {
 #[serde(deny_unknown_fields, default)]
 pub struct RabbitConfig {
     pub uri: String,
+    /// A file holding the URI (a mounted secret); replaces `uri` when set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uri_file: Option<PathBuf>,
     pub source_address: String,
     pub full_type_name: String,
     pub message_id: MessageIdMode,
@@ -82,6 +114,7 @@ impl Default for RabbitConfig {
     fn default() -> Self {
         Self {
             uri: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            uri_file: None,
             source_address: "timeoutd".into(),
             full_type_name: V7_FULL_TYPE_NAME.into(),
             message_id: MessageIdMode::Stable,
@@ -125,6 +158,40 @@ impl Default for DispatchConfig {
             lease_safety_margin: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(20),
         }
+    }
+}
+
+/// `[retry]`: records the broker refuses (no queue bound to the `Destination`, or a nack).
+/// Each failed send waits `base * 2^(attempt - 1)`, at most `cap`, before the next; after
+/// `max_attempts` failed sends the record is parked.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    #[serde(with = "humantime_serde")]
+    pub base: Duration,
+    #[serde(with = "humantime_serde")]
+    pub cap: Duration,
+    pub max_attempts: u32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            base: Duration::from_secs(5),
+            cap: Duration::from_secs(600),
+            max_attempts: 10,
+        }
+    }
+}
+
+impl RetryConfig {
+    /// How long to wait after the `attempt`-th failed send (1-based).
+    pub fn delay_after(&self, attempt: u32) -> Duration {
+        let doublings = attempt.saturating_sub(1).min(32);
+        self.base
+            .checked_mul(1u32 << doublings.min(31))
+            .unwrap_or(self.cap)
+            .min(self.cap)
     }
 }
 
@@ -266,11 +333,44 @@ impl Config {
     }
 
     fn from_figment(figment: Figment) -> Result<Self, ConfigError> {
-        let config: Config = figment.extract().map_err(|e| ConfigError {
+        let mut config: Config = figment.extract().map_err(|e| ConfigError {
             problems: e.into_iter().map(figment_problem).collect(),
         })?;
+        config.read_uri_files()?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// Replaces each URI whose `uri_file` is set with that file's contents (trimmed), as
+    /// Kubernetes and systemd mount secrets.
+    fn read_uri_files(&mut self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        for (key, file, uri) in [
+            (
+                "mongodb.uri_file",
+                &self.mongodb.uri_file,
+                &mut self.mongodb.uri,
+            ),
+            (
+                "rabbitmq.uri_file",
+                &self.rabbitmq.uri_file,
+                &mut self.rabbitmq.uri,
+            ),
+        ] {
+            let Some(path) = file else { continue };
+            match std::fs::read_to_string(path) {
+                Ok(text) => *uri = text.trim().to_string(),
+                Err(e) => problems.push(Problem {
+                    key: key.into(),
+                    message: format!("cannot read {}: {e}", path.display()),
+                }),
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems })
+        }
     }
 
     /// The reaper's period: `[reaper] interval`, or a quarter of the lease.
@@ -302,6 +402,18 @@ impl Config {
         if d.batch_size == 0 {
             bad("dispatch.batch_size", "must be greater than zero".into());
         }
+        let r = &self.retry;
+        for (key, value) in [("retry.base", r.base), ("retry.cap", r.cap)] {
+            if value.is_zero() {
+                bad(key, "must be greater than zero".into());
+            }
+        }
+        if r.cap < r.base {
+            bad("retry.cap", "must not be less than retry.base".into());
+        }
+        if r.max_attempts == 0 {
+            bad("retry.max_attempts", "must be at least 1".into());
+        }
         if d.lock_lease <= d.lease_safety_margin + d.poll_interval {
             bad(
                 "dispatch.lock_lease",
@@ -320,6 +432,14 @@ impl Config {
             ("mongodb.uri", &self.mongodb.uri),
             ("mongodb.database", &self.mongodb.database),
             ("mongodb.collection", &self.mongodb.collection),
+            (
+                "mongodb.parked_collection",
+                &self.mongodb.parked_collection(),
+            ),
+            (
+                "mongodb.attempts_collection",
+                &self.mongodb.attempts_collection(),
+            ),
             ("rabbitmq.uri", &self.rabbitmq.uri),
             ("rabbitmq.source_address", &self.rabbitmq.source_address),
             ("rabbitmq.full_type_name", &self.rabbitmq.full_type_name),
@@ -327,6 +447,16 @@ impl Config {
             if value.trim().is_empty() {
                 bad(key, "must not be empty".into());
             }
+        }
+        let m = &self.mongodb;
+        if m.parked_collection() == m.collection
+            || m.attempts_collection() == m.collection
+            || m.parked_collection() == m.attempts_collection()
+        {
+            bad(
+                "mongodb.parked_collection",
+                "mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection must all differ".into(),
+            );
         }
         if !has_scheme(&self.mongodb.uri, &["mongodb://", "mongodb+srv://"]) {
             bad(

@@ -81,6 +81,9 @@ pub async fn run_with(
 
     if wait_for_mongodb(&store, &health, &shutdown).await {
         store.ensure_indexes().await?;
+        if let Err(e) = store.parking().ensure_indexes().await {
+            tracing::warn!(error = %e, "could not create the parking and attempts indexes; continuing");
+        }
         let monitor_task = tokio::spawn(monitor(store.clone(), health.clone(), shutdown.clone()));
         let reaper_task = tokio::spawn(reaper::run(
             store.clone(),
@@ -156,7 +159,10 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
 async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
     loop {
         match store.stats().await {
-            Ok(s) => m::backlog(s.due, s.oldest_due_age_seconds),
+            Ok(s) => {
+                m::backlog(s.due, s.oldest_due_age_seconds);
+                m::parked_records(s.parked);
+            }
             Err(e) => tracing::debug!(error = %e, "backlog query failed"),
         }
         tokio::select! {

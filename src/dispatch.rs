@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use bson::Bson;
+use bson::{Bson, Document};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -16,9 +16,37 @@ use crate::health::Health;
 use crate::lease::{Lease, PrePublish};
 use crate::message;
 use crate::metrics as m;
+use crate::parking::{ParkReason, Parked};
 use crate::publisher::{Publisher, SendOutcome};
 use crate::record::{TimeoutRecord, display_id};
 use crate::store::{Claim, Store};
+
+/// A claimed record ready to send: its `_id`, the stored document and the decoded record.
+#[derive(Debug)]
+struct Ready {
+    id: Bson,
+    raw: Document,
+    record: TimeoutRecord,
+}
+
+/// Why a record is being parked, and after how many failed sends.
+#[derive(Debug)]
+struct Failure {
+    reason: ParkReason,
+    error: String,
+    attempts: u32,
+}
+
+impl Failure {
+    /// A record no attempt can fix: parked at once.
+    fn poison(reason: ParkReason, error: String) -> Self {
+        Self {
+            reason,
+            error,
+            attempts: 0,
+        }
+    }
+}
 
 /// The dispatch loop's state. One per process.
 #[derive(Debug)]
@@ -108,21 +136,29 @@ impl Dispatcher {
         let owner = lease.owner;
         let margin = self.config.dispatch.lease_safety_margin;
         let now = self.store.clock().now();
-        let mut ready: Vec<(Bson, TimeoutRecord)> = Vec::new();
+        let mut ready: Vec<Ready> = Vec::new();
         let mut too_late: Vec<Bson> = Vec::new();
         for row in claim.rows {
             match row.record {
                 Err(e) => {
-                    // Left leased: it comes back after the lease expires, never hot.
-                    tracing::warn!(timeout_id = %display_id(&row.id), %owner, error = %e, "undecodable record left in place");
                     m::skipped("undecodable", 1);
+                    let failure = Failure::poison(ParkReason::Undecodable, e.to_string());
+                    self.park(&row.id, &row.raw, "", owner, &failure).await;
                 }
                 Ok(r) if r.destination.is_empty() => {
-                    tracing::warn!(timeout_id = %r.id, destination = "", %owner, "record has no Destination; left in place, not sent");
                     m::skipped("empty_destination", 1);
+                    let failure = Failure::poison(
+                        ParkReason::EmptyDestination,
+                        "Destination is missing or empty".into(),
+                    );
+                    self.park(&row.id, &row.raw, "", owner, &failure).await;
                 }
-                Ok(r) => match lease.before_publish(now, margin) {
-                    PrePublish::Publish => ready.push((row.id, r)),
+                Ok(record) => match lease.before_publish(now, margin) {
+                    PrePublish::Publish => ready.push(Ready {
+                        id: row.id,
+                        raw: row.raw,
+                        record,
+                    }),
                     PrePublish::TooLittleLease => too_late.push(row.id),
                 },
             }
@@ -135,7 +171,7 @@ impl Dispatcher {
             return;
         }
         if self.shutdown.is_cancelled() {
-            let ids: Vec<Bson> = ready.into_iter().map(|(id, _)| id).collect();
+            let ids: Vec<Bson> = ready.into_iter().map(|r| r.id).collect();
             self.release(&ids, owner, "shutdown").await;
             return;
         }
@@ -143,7 +179,7 @@ impl Dispatcher {
         let sent_at = SystemTime::now();
         let messages: Vec<_> = ready
             .iter()
-            .map(|(_, r)| message::build(r, &self.config.rabbitmq, sent_at))
+            .map(|r| message::build(&r.record, &self.config.rabbitmq, sent_at))
             .collect();
         let stop_waiting = self.confirm_deadline();
         // A wait bounded by publish_timeout is not a stall.
@@ -155,24 +191,119 @@ impl Dispatcher {
 
         let confirmed_at = self.store.clock().now();
         let mut confirmed: Vec<(Bson, TimeoutRecord)> = Vec::new();
+        let mut refused: Vec<(Ready, SendOutcome)> = Vec::new();
         let mut failed: Vec<Bson> = Vec::new();
-        for ((id, r), outcome) in ready.into_iter().zip(outcomes) {
+        for (r, outcome) in ready.into_iter().zip(outcomes) {
+            let Ready { id, record, .. } = &r;
             match outcome {
                 SendOutcome::Confirmed => {
-                    tracing::debug!(timeout_id = %r.id, destination = %r.destination, %owner, late_ms = confirmed_at.timestamp_millis() - r.due.timestamp_millis(), "timeout sent");
-                    m::dispatched(r.due, confirmed_at);
-                    confirmed.push((id, r));
+                    tracing::debug!(timeout_id = %record.id, destination = %record.destination, %owner, late_ms = confirmed_at.timestamp_millis() - record.due.timestamp_millis(), "timeout sent");
+                    m::dispatched(record.due, confirmed_at);
+                    confirmed.push((r.id, r.record));
+                }
+                SendOutcome::Returned | SendOutcome::Nacked => {
+                    m::publish_failure(outcome.reason());
+                    refused.push((r, outcome));
                 }
                 other => {
-                    tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
+                    tracing::warn!(timeout_id = %record.id, destination = %record.destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
                     m::publish_failure(other.reason());
-                    failed.push(id);
+                    failed.push(id.clone());
                 }
             }
         }
         self.remove_confirmed(&confirmed, &lease).await;
+        for (r, outcome) in refused {
+            self.retry_or_park(r, outcome, owner).await;
+        }
         if !failed.is_empty() {
             self.release(&failed, owner, "publish_failed").await;
+        }
+    }
+
+    /// A send the broker refused: counted, then retried after back-off (the lease is kept
+    /// until the next attempt), or parked after `max_attempts`.
+    async fn retry_or_park(&self, r: Ready, outcome: SendOutcome, owner: uuid::Uuid) {
+        let retry = &self.config.retry;
+        let destination = r.record.destination.as_str();
+        let (reason, error) = match outcome {
+            SendOutcome::Nacked => (
+                ParkReason::Nacked,
+                "the broker nacked the publish".to_string(),
+            ),
+            _ => (
+                ParkReason::Unroutable,
+                format!("returned by the broker: no queue is bound to routing key `{destination}`"),
+            ),
+        };
+        let parking = self.store.parking();
+        let attempts = match parking.count_failure(&r.id, &error).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(timeout_id = %r.record.id, destination, %owner, error = %e, "could not count the failed send; releasing");
+                self.release(std::slice::from_ref(&r.id), owner, "publish_failed")
+                    .await;
+                return;
+            }
+        };
+        if attempts >= retry.max_attempts {
+            let failure = Failure {
+                reason,
+                error,
+                attempts,
+            };
+            self.park(&r.id, &r.raw, destination, owner, &failure).await;
+            return;
+        }
+        let wait = retry.delay_after(attempts);
+        let until = crate::lease::add(self.store.clock().now(), wait);
+        match parking.defer(&r.id, owner, until).await {
+            Ok(true) => {
+                m::retried();
+                tracing::warn!(timeout_id = %r.record.id, destination, %owner, reason = reason.as_str(), attempt = attempts, max_attempts = retry.max_attempts, retry_in = ?wait, "send refused; retrying after back-off");
+            }
+            Ok(false) => {
+                m::lease_lost(1);
+                tracing::warn!(timeout_id = %r.record.id, destination, %owner, "send refused and the lease was lost before the retry was scheduled");
+            }
+            Err(e) => {
+                tracing::warn!(timeout_id = %r.record.id, destination, %owner, error = %e, "could not schedule the retry; the record comes back when its lease expires");
+            }
+        }
+    }
+
+    /// Moves a record to the parking collection (see [`crate::parking`]).
+    async fn park(
+        &self,
+        id: &Bson,
+        raw: &Document,
+        destination: &str,
+        owner: uuid::Uuid,
+        failure: &Failure,
+    ) {
+        let timeout_id = display_id(id);
+        let Failure {
+            reason,
+            error,
+            attempts,
+        } = failure;
+        match self
+            .store
+            .parking()
+            .park(id, raw, owner, *reason, error, *attempts)
+            .await
+        {
+            Ok(Parked::Moved) => {
+                m::parked(reason.as_str());
+                tracing::warn!(%timeout_id, destination, %owner, reason = reason.as_str(), attempts, error, "record parked");
+            }
+            Ok(Parked::CopiedLeaseLost) => {
+                m::lease_lost(1);
+                tracing::warn!(%timeout_id, destination, %owner, reason = reason.as_str(), "record copied to parking, but its lease was lost: it is also still in Timeouts");
+            }
+            Err(e) => {
+                tracing::warn!(%timeout_id, destination, %owner, error = %e, "parking failed; the record stays leased and comes back when its lease expires");
+            }
         }
     }
 

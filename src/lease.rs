@@ -170,6 +170,21 @@ pub fn release_update() -> Document {
     } }
 }
 
+/// A stored record in the free shape, as [`release_update`] leaves it (for parking and
+/// requeueing a record as ServiceConnect would see it).
+pub fn as_free(mut record: Document) -> Document {
+    record.insert(field::LOCKED, false);
+    record.insert(field::LOCKED_BY, uuid_bson(Uuid::nil()));
+    record.insert(field::LOCK_EXPIRES_AT, Bson::Null);
+    record
+}
+
+/// Keeps a failed record leased until `until`, its next attempt: no worker claims it before
+/// then, and its `Time` is untouched.
+pub fn defer_update(until: DateTime) -> Document {
+    doc! { "$set": { field::LOCK_EXPIRES_AT: until } }
+}
+
 /// Leased records whose lease has expired at `now`: what the reaper frees.
 pub fn expired(now: DateTime) -> Document {
     doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: { "$lte": now } }

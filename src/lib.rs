@@ -30,6 +30,7 @@ pub mod http;
 pub mod lease;
 pub mod message;
 pub mod metrics;
+pub mod parking;
 pub mod publisher;
 pub mod reaper;
 pub mod record;

@@ -43,6 +43,21 @@ pub fn skipped(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_skipped_total", "reason" => reason).increment(n as u64);
 }
 
+/// A record moved to the parking collection.
+pub fn parked(reason: &'static str) {
+    metrics::counter!("timeoutd_parked_total", "reason" => reason).increment(1);
+}
+
+/// A refused send scheduled for another attempt after back-off.
+pub fn retried() {
+    metrics::counter!("timeoutd_retries_total").increment(1);
+}
+
+/// How many records wait in the parking collection (from the monitor's periodic query).
+pub fn parked_records(n: u64) {
+    metrics::gauge!("timeoutd_parked_records").set(n as f64);
+}
+
 pub fn claim_duration(d: Duration) {
     metrics::histogram!("timeoutd_claim_duration_seconds").record(d.as_secs_f64());
 }

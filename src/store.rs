@@ -43,6 +43,8 @@ pub enum StoreError {
 #[derive(Debug, Clone)]
 pub struct ClaimedRow {
     pub id: Bson,
+    /// The document as stored, for parking it in its original shape.
+    pub raw: Document,
     pub record: Result<TimeoutRecord, DecodeError>,
 }
 
@@ -66,6 +68,10 @@ pub struct Stats {
     pub expired_leases: u64,
     /// Age of the oldest due record, leased or not, in seconds; `None` when nothing is due.
     pub oldest_due_age_seconds: Option<f64>,
+    /// Records in the parking collection.
+    pub parked: u64,
+    /// Records with failed sends counted (waiting for a retry, or sent in the end).
+    pub retrying: u64,
 }
 
 /// A handle on the `Timeouts` collection; cheap to clone.
@@ -73,6 +79,8 @@ pub struct Stats {
 pub struct Store {
     db: Database,
     coll: Collection<Document>,
+    parked: Collection<Document>,
+    attempts: Collection<Document>,
     encoding: TimeEncoding,
     clock: ServerClock,
 }
@@ -98,12 +106,26 @@ impl Store {
         let client = Client::with_options(options)?;
         let db = client.database(&config.database);
         let coll = db.collection::<Document>(&config.collection);
+        let parked = db.collection::<Document>(&config.parked_collection());
+        let attempts = db.collection::<Document>(&config.attempts_collection());
         Ok(Self {
             db,
             coll,
+            parked,
+            attempts,
             encoding: config.time_encoding,
             clock,
         })
+    }
+
+    /// The parking collection and the failed-send counts that go with this store.
+    pub fn parking(&self) -> crate::parking::Parking {
+        crate::parking::Parking::new(
+            self.coll.clone(),
+            self.parked.clone(),
+            self.attempts.clone(),
+            self.clock.clone(),
+        )
     }
 
     /// The clock this store stamps leases with.
@@ -225,6 +247,7 @@ impl Store {
             .map(|d| ClaimedRow {
                 id: d.get(field::ID).cloned().unwrap_or(Bson::Null),
                 record: TimeoutRecord::decode(&d, self.encoding),
+                raw: d,
             })
             .collect())
     }
@@ -305,11 +328,14 @@ impl Store {
         let pending = self.coll.count_documents(not_due);
         let leased = self.coll.count_documents(lease::held_any(now));
         let expired = self.coll.count_documents(lease::expired(now));
-        let (due, pending, leased, expired) = tokio::try_join!(
-            async { due.await },
-            async { pending.await },
-            async { leased.await },
-            async { expired.await }
+        let parking = self.parking();
+        let (due, pending, leased, expired, parked, retrying) = tokio::try_join!(
+            async { due.await.map_err(StoreError::from) },
+            async { pending.await.map_err(StoreError::from) },
+            async { leased.await.map_err(StoreError::from) },
+            async { expired.await.map_err(StoreError::from) },
+            parking.count(),
+            parking.count_retrying(),
         )?;
         let oldest = self
             .coll
@@ -325,6 +351,8 @@ impl Store {
             leased,
             expired_leases: expired,
             oldest_due_age_seconds,
+            parked,
+            retrying,
         })
     }
 

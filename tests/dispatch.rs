@@ -8,34 +8,8 @@ use std::time::{Duration, SystemTime};
 
 use bson::{Bson, doc};
 use common::*;
-use timeoutd::config::{Config, MessageIdMode};
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use timeoutd::config::MessageIdMode;
 use uuid::Uuid;
-
-struct Running {
-    token: CancellationToken,
-    task: JoinHandle<()>,
-}
-
-fn start(config: Config) -> Running {
-    let token = CancellationToken::new();
-    let t = token.clone();
-    let task = tokio::spawn(async move {
-        timeoutd::daemon::run(config, t).await.expect("daemon run");
-    });
-    Running { token, task }
-}
-
-impl Running {
-    async fn stop(self) {
-        self.token.cancel();
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("daemon stops within its shutdown timeout")
-            .expect("daemon task");
-    }
-}
 
 fn time_sent(r: &Received) -> SystemTime {
     let s = r.header("TimeSent").expect("TimeSent");
@@ -254,64 +228,6 @@ async fn two_dispatchers_send_each_record_once() {
         per_id.iter().filter(|(_, c)| **c > 1).collect::<Vec<_>>()
     );
     assert_eq!(env.count(doc! {}).await, 0, "every sent record was removed");
-    env.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unroutable_destination_leaves_the_record_free() {
-    let env = TestEnv::new().await;
-    let missing_queue = format!("timeoutd-test-missing-{}", Uuid::new_v4().simple());
-    let lost = Uuid::new_v4();
-    let ok = Uuid::new_v4();
-    env.insert(vec![
-        v7_record(lost, &missing_queue, Uuid::new_v4(), in_ms(-2_000), doc! {}),
-        v7_record(ok, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {}),
-    ])
-    .await;
-    let mut consumer = env.consumer().await;
-    let daemon = start(env.config());
-    let got = consumer.take(1, Duration::from_secs(20)).await;
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].header("TimeoutId").unwrap(), ok.to_string());
-    // Let a few more polls try the unroutable one.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    daemon.stop().await;
-    let doc = env.find(lost).await.expect("unroutable record still there");
-    assert!(!doc.get_bool("Locked").unwrap());
-    assert_eq!(doc.get("LockedBy"), Some(&uuid(Uuid::nil())));
-    assert_eq!(doc.get("LockExpiresAt"), Some(&Bson::Null));
-    assert_eq!(doc.get("Destination"), Some(&Bson::String(missing_queue)));
-    assert_eq!(doc.len(), 8, "no field was added: {doc}");
-    env.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn empty_destination_and_undecodable_records_are_left_in_place() {
-    let env = TestEnv::new().await;
-    let empty = Uuid::new_v4();
-    let null = Uuid::new_v4();
-    let bad_time = Uuid::new_v4();
-    let ok = Uuid::new_v4();
-    let mut null_doc = v7_record(null, "", Uuid::new_v4(), in_ms(-3_000), doc! {});
-    null_doc.insert("Destination", Bson::Null);
-    let mut bad_doc = v7_record(bad_time, &env.queue, Uuid::new_v4(), in_ms(-3_000), doc! {});
-    bad_doc.insert("ProcessManagerId", "not a uuid");
-    env.insert(vec![
-        v7_record(empty, "", Uuid::new_v4(), in_ms(-3_000), doc! {}),
-        null_doc,
-        bad_doc,
-        v7_record(ok, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {}),
-    ])
-    .await;
-    let mut consumer = env.consumer().await;
-    let daemon = start(env.config());
-    let got = consumer.take(2, Duration::from_secs(5)).await;
-    daemon.stop().await;
-    assert_eq!(got.len(), 1, "only the good record is sent");
-    assert_eq!(got[0].header("TimeoutId").unwrap(), ok.to_string());
-    for id in [empty, null, bad_time] {
-        assert!(env.find(id).await.is_some(), "{id} was not deleted");
-    }
     env.cleanup().await;
 }
 

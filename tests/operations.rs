@@ -122,16 +122,31 @@ async fn metrics_count_what_really_happened() {
         in_ms(-100),
         doc! {},
     ));
+    let mut poison = v7_record(
+        Uuid::new_v4(),
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-100),
+        doc! {},
+    );
+    poison.insert("Headers", 42);
+    docs.push(poison);
     env.insert(docs).await;
     let mut consumer = env.consumer().await;
-    let d = spawn(env.env_vars(&env.config())).await;
+    let mut vars = env.env_vars(&env.config());
+    // The unroutable record is refused twice, retried once in between, then parked.
+    for (k, v) in [("BASE", "100ms"), ("CAP", "100ms"), ("MAX_ATTEMPTS", "2")] {
+        vars.push((format!("TIMEOUTD_RETRY__{k}"), v.into()));
+    }
+    let d = spawn(vars).await;
     let got = consumer.take(n, Duration::from_secs(30)).await;
     assert_eq!(got.len(), n);
     assert!(
         eventually(Duration::from_secs(10), || async {
-            env.count(doc! {}).await == 1
+            env.count(doc! {}).await == 0
         })
-        .await
+        .await,
+        "sent, or parked"
     );
     // Let the confirms and removals of the last batch be counted.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -148,15 +163,25 @@ async fn metrics_count_what_really_happened() {
         &text,
         "timeoutd_publish_failures_total{reason=\"returned\"}",
     );
-    assert!(returned >= 1.0, "{text}");
+    assert_eq!(returned, 2.0, "{text}");
+    assert_eq!(series(&text, "timeoutd_retries_total"), 1.0);
+    assert_eq!(
+        series(&text, "timeoutd_parked_total{reason=\"unroutable\"}"),
+        1.0
+    );
+    assert_eq!(
+        series(&text, "timeoutd_parked_total{reason=\"undecodable\"}"),
+        1.0
+    );
     assert_eq!(
         series(&text, "timeoutd_released_total{reason=\"publish_failed\"}"),
-        returned
+        0.0,
+        "a refused send keeps its lease until the retry"
     );
     assert_eq!(
         series(&text, "timeoutd_claimed_total"),
-        n as f64 + returned,
-        "every claim either sent or released the unroutable one"
+        n as f64 + returned + 1.0,
+        "every claim was sent, refused or parked"
     );
     assert_eq!(series(&text, "timeoutd_lease_lost_total"), 0.0);
     assert_eq!(

@@ -378,3 +378,30 @@ pub fn with_query(uri: &str, option: &str) -> String {
         format!("{uri}/?{option}")
     }
 }
+
+/// The daemon running in this test process.
+pub struct Running {
+    token: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Starts `timeoutd run` in-process with `config`.
+pub fn start(config: Config) -> Running {
+    let token = tokio_util::sync::CancellationToken::new();
+    let t = token.clone();
+    let task = tokio::spawn(async move {
+        timeoutd::daemon::run(config, t).await.expect("daemon run");
+    });
+    Running { token, task }
+}
+
+impl Running {
+    /// Stops it as SIGTERM would, and waits.
+    pub async fn stop(self) {
+        self.token.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("daemon stops within its shutdown timeout")
+            .expect("daemon task");
+    }
+}

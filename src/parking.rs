@@ -1,0 +1,359 @@
+//! The parking lot: records timeoutd gave up on, and the count of failed sends per record.
+//!
+//! A record the broker refuses (no queue bound to its `Destination`, or a nack) is retried
+//! with back-off: its lease is kept and `LockExpiresAt` moved to the next attempt, so its
+//! `Time` and its shape stay as ServiceConnect wrote them. The count of failed sends lives in
+//! `<collection>_attempts`, never in the record. After `[retry] max_attempts` failures, or at
+//! once for a record the decoder rejects, the record is copied to `<collection>_parked` with
+//! the reason, and only then deleted from `Timeouts` under the owner guard: a crash in between
+//! leaves two copies, never none.
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use mongodb::Collection;
+use mongodb::IndexModel;
+use mongodb::options::{IndexOptions, ReturnDocument};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::clock::ServerClock;
+use crate::lease;
+use crate::record::{display_id, field};
+use crate::store::StoreError;
+
+/// How long a failed-send count is kept after its last failure. A record that was sent in
+/// the end leaves its count behind; MongoDB's TTL monitor removes it after this.
+pub const ATTEMPTS_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Fields of a parked document.
+pub mod parked_field {
+    pub const RECORD: &str = "record";
+    pub const REASON: &str = "reason";
+    pub const ERROR: &str = "error";
+    pub const ATTEMPTS: &str = "attempts";
+    pub const PARKED_AT: &str = "parked_at";
+}
+
+/// Fields of a failed-send count.
+mod attempt_field {
+    pub const ATTEMPTS: &str = "attempts";
+    pub const LAST_ERROR: &str = "last_error";
+    pub const FIRST_FAILED_AT: &str = "first_failed_at";
+    pub const LAST_FAILED_AT: &str = "last_failed_at";
+    pub const EXPIRE_AT: &str = "expire_at";
+}
+
+/// Why a record was parked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParkReason {
+    /// The broker returned it `max_attempts` times: no queue is bound to its `Destination`.
+    Unroutable,
+    /// The broker nacked it `max_attempts` times.
+    Nacked,
+    /// The decoder rejected it (a `Time`, id or `Headers` of the wrong type).
+    Undecodable,
+    /// It has no `Destination`.
+    EmptyDestination,
+}
+
+impl ParkReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unroutable => "unroutable",
+            Self::Nacked => "nacked",
+            Self::Undecodable => "undecodable",
+            Self::EmptyDestination => "empty_destination",
+        }
+    }
+}
+
+/// What parking did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parked {
+    /// Copied to the parking collection and removed from `Timeouts`.
+    Moved,
+    /// Copied, but the record was no longer ours to delete (lease lost): it stays in
+    /// `Timeouts` too, and `parked requeue` will say so.
+    CopiedLeaseLost,
+}
+
+/// One parked record, as `timeoutd parked list` shows it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ParkedRecord {
+    pub id: String,
+    pub destination: Option<String>,
+    pub reason: String,
+    pub error: String,
+    pub attempts: i64,
+    /// RFC 3339.
+    pub parked_at: String,
+}
+
+/// What `parked requeue` did with one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeued {
+    /// Back in `Timeouts`, free, with its original `Time`; its count reset.
+    Requeued,
+    /// `Timeouts` still holds a record with this `_id` (a crash or a lost lease left two
+    /// copies): the parked copy was dropped.
+    AlreadyInTimeouts,
+}
+
+/// Access to the parking and attempts collections; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Parking {
+    timeouts: Collection<Document>,
+    parked: Collection<Document>,
+    attempts: Collection<Document>,
+    clock: ServerClock,
+}
+
+impl Parking {
+    pub(crate) fn new(
+        timeouts: Collection<Document>,
+        parked: Collection<Document>,
+        attempts: Collection<Document>,
+        clock: ServerClock,
+    ) -> Self {
+        Self {
+            timeouts,
+            parked,
+            attempts,
+            clock,
+        }
+    }
+
+    /// The TTL index that clears old failed-send counts, and the parked listing order.
+    pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
+        let ttl = IndexModel::builder()
+            .keys(doc! { attempt_field::EXPIRE_AT: 1 })
+            .options(
+                IndexOptions::builder()
+                    .name("timeoutd_attempts_ttl".to_string())
+                    .expire_after(Duration::ZERO)
+                    .build(),
+            )
+            .build();
+        self.attempts.create_index(ttl).await?;
+        let by_time = IndexModel::builder()
+            .keys(doc! { parked_field::PARKED_AT: 1 })
+            .options(
+                IndexOptions::builder()
+                    .name("timeoutd_parked_at".to_string())
+                    .build(),
+            )
+            .build();
+        self.parked.create_index(by_time).await?;
+        Ok(())
+    }
+
+    /// Counts one more failed send of record `id`; returns the count so far.
+    pub async fn count_failure(&self, id: &Bson, error: &str) -> Result<u32, StoreError> {
+        let now = self.clock.now();
+        let after = self
+            .attempts
+            .find_one_and_update(
+                doc! { field::ID: id.clone() },
+                doc! {
+                    "$inc": { attempt_field::ATTEMPTS: 1 },
+                    "$set": {
+                        attempt_field::LAST_ERROR: error,
+                        attempt_field::LAST_FAILED_AT: now,
+                        attempt_field::EXPIRE_AT: lease::add(now, ATTEMPTS_RETENTION),
+                    },
+                    "$setOnInsert": { attempt_field::FIRST_FAILED_AT: now },
+                },
+            )
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .await?;
+        let n = after
+            .and_then(|d| match d.get(attempt_field::ATTEMPTS) {
+                Some(Bson::Int32(n)) => Some(i64::from(*n)),
+                Some(Bson::Int64(n)) => Some(*n),
+                _ => None,
+            })
+            .unwrap_or(1);
+        Ok(n.clamp(1, i64::from(u32::MAX)) as u32)
+    }
+
+    /// Keeps record `id` leased by `owner` until `until`; `false` if the lease was lost.
+    pub async fn defer(&self, id: &Bson, owner: Uuid, until: DateTime) -> Result<bool, StoreError> {
+        let r = self
+            .timeouts
+            .update_one(
+                lease::held_one(id, owner, self.clock.now()),
+                lease::defer_update(until),
+            )
+            .await?;
+        Ok(r.matched_count == 1)
+    }
+
+    /// Copies `raw` (record `id`, held by `owner`) to the parking collection, then deletes it
+    /// from `Timeouts` under the owner guard and forgets its failed-send count.
+    pub async fn park(
+        &self,
+        id: &Bson,
+        raw: &Document,
+        owner: Uuid,
+        reason: ParkReason,
+        error: &str,
+        attempts: u32,
+    ) -> Result<Parked, StoreError> {
+        let parked = doc! {
+            field::ID: id.clone(),
+            parked_field::RECORD: lease::as_free(raw.clone()),
+            parked_field::REASON: reason.as_str(),
+            parked_field::ERROR: error,
+            parked_field::ATTEMPTS: i64::from(attempts),
+            parked_field::PARKED_AT: self.clock.now(),
+        };
+        self.parked
+            .replace_one(doc! { field::ID: id.clone() }, parked)
+            .upsert(true)
+            .await?;
+        let deleted = self
+            .timeouts
+            .delete_one(lease::held_one(id, owner, self.clock.now()))
+            .await?;
+        self.attempts
+            .delete_one(doc! { field::ID: id.clone() })
+            .await?;
+        Ok(if deleted.deleted_count == 1 {
+            Parked::Moved
+        } else {
+            Parked::CopiedLeaseLost
+        })
+    }
+
+    /// Every parked record, oldest first.
+    pub async fn list(&self) -> Result<Vec<ParkedRecord>, StoreError> {
+        let docs: Vec<Document> = self
+            .parked
+            .find(doc! {})
+            .sort(doc! { parked_field::PARKED_AT: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs.iter().map(to_listed).collect())
+    }
+
+    /// How many records are parked.
+    pub async fn count(&self) -> Result<u64, StoreError> {
+        Ok(self.parked.count_documents(doc! {}).await?)
+    }
+
+    /// How many records have failed sends counted (retrying, or sent in the end and not yet
+    /// cleared by the TTL monitor).
+    pub async fn count_retrying(&self) -> Result<u64, StoreError> {
+        Ok(self.attempts.count_documents(doc! {}).await?)
+    }
+
+    /// Finds the parked `_id` that `shown` names (as `parked list` prints it).
+    pub async fn find_id(&self, shown: &str) -> Result<Option<Bson>, StoreError> {
+        if let Ok(u) = Uuid::parse_str(shown) {
+            let id = crate::record::uuid_bson(u);
+            if self
+                .parked
+                .find_one(doc! { field::ID: id.clone() })
+                .await?
+                .is_some()
+            {
+                return Ok(Some(id));
+            }
+        }
+        // Poison records may have ids of any type: match them as they are displayed.
+        let ids: Vec<Document> = self
+            .parked
+            .find(doc! {})
+            .projection(doc! { field::ID: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(ids
+            .into_iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .find(|id| display_id(id) == shown))
+    }
+
+    /// Puts parked record `id` back into `Timeouts`, free and in its original shape, and
+    /// resets its count. The insert comes first, so a crash leaves two copies, not none.
+    /// `None` if no such record is parked.
+    pub async fn requeue(&self, id: &Bson) -> Result<Option<Requeued>, StoreError> {
+        let Some(parked) = self.parked.find_one(doc! { field::ID: id.clone() }).await? else {
+            return Ok(None);
+        };
+        let record = parked
+            .get_document(parked_field::RECORD)
+            .cloned()
+            .unwrap_or_default();
+        let outcome = match self.timeouts.insert_one(lease::as_free(record)).await {
+            Ok(_) => Requeued::Requeued,
+            Err(e) if is_duplicate_key(&e) => Requeued::AlreadyInTimeouts,
+            Err(e) => return Err(e.into()),
+        };
+        self.attempts
+            .delete_one(doc! { field::ID: id.clone() })
+            .await?;
+        self.parked
+            .delete_one(doc! { field::ID: id.clone() })
+            .await?;
+        Ok(Some(outcome))
+    }
+
+    /// Every parked `_id`, oldest first.
+    pub async fn all_ids(&self) -> Result<Vec<Bson>, StoreError> {
+        let docs: Vec<Document> = self
+            .parked
+            .find(doc! {})
+            .sort(doc! { parked_field::PARKED_AT: 1 })
+            .projection(doc! { field::ID: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect())
+    }
+
+    /// Deletes parked record `id` for good; `false` if it was not parked.
+    pub async fn drop(&self, id: &Bson) -> Result<bool, StoreError> {
+        let r = self
+            .parked
+            .delete_one(doc! { field::ID: id.clone() })
+            .await?;
+        Ok(r.deleted_count == 1)
+    }
+}
+
+fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
+    matches!(
+        *e.kind,
+        mongodb::error::ErrorKind::Write(mongodb::error::WriteFailure::WriteError(ref w)) if w.code == 11000
+    )
+}
+
+fn to_listed(d: &Document) -> ParkedRecord {
+    let record = d.get_document(parked_field::RECORD).ok();
+    ParkedRecord {
+        id: d.get(field::ID).map(display_id).unwrap_or_default(),
+        destination: record
+            .and_then(|r| r.get_str(field::DESTINATION).ok())
+            .map(str::to_string),
+        reason: d.get_str(parked_field::REASON).unwrap_or("").to_string(),
+        error: d.get_str(parked_field::ERROR).unwrap_or("").to_string(),
+        attempts: match d.get(parked_field::ATTEMPTS) {
+            Some(Bson::Int64(n)) => *n,
+            Some(Bson::Int32(n)) => i64::from(*n),
+            _ => 0,
+        },
+        parked_at: d
+            .get_datetime(parked_field::PARKED_AT)
+            .ok()
+            .and_then(|t| t.try_to_rfc3339_string().ok())
+            .unwrap_or_default(),
+    }
+}

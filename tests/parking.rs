@@ -1,0 +1,383 @@
+//! Records the broker refuses are retried with back-off and then parked; poison records are
+//! parked at once; `timeoutd parked` lists, requeues and drops them. Real RabbitMQ, real test
+//! MongoDB.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use bson::{Bson, Document, doc};
+use common::*;
+use mongodb::Collection;
+use timeoutd::config::Config;
+use uuid::Uuid;
+
+const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
+
+fn parked_coll(env: &TestEnv) -> Collection<Document> {
+    env.coll
+        .client()
+        .database(&env.db_name)
+        .collection("Timeouts_parked")
+}
+
+fn attempts_coll(env: &TestEnv) -> Collection<Document> {
+    env.coll
+        .client()
+        .database(&env.db_name)
+        .collection("Timeouts_attempts")
+}
+
+async fn parked_doc(env: &TestEnv, id: Uuid) -> Option<Document> {
+    parked_coll(env)
+        .find_one(doc! { "_id": uuid(id) })
+        .await
+        .unwrap()
+}
+
+/// Fast retries for tests: 200 ms, 400 ms, then parked on the third refusal.
+fn fast_retry(env: &TestEnv) -> Config {
+    let mut c = env.config();
+    c.retry.base = Duration::from_millis(200);
+    c.retry.cap = Duration::from_millis(400);
+    c.retry.max_attempts = 3;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_record_backs_off_keeping_its_shape_then_is_parked() {
+    let env = TestEnv::new().await;
+    let missing = format!("timeoutd-test-missing-{}", Uuid::new_v4().simple());
+    let id = Uuid::new_v4();
+    let original = v7_record(
+        id,
+        &missing,
+        Uuid::new_v4(),
+        in_ms(-1_000),
+        doc! { "k": "v" },
+    );
+    env.insert(vec![original.clone()]).await;
+    let mut config = fast_retry(&env);
+    // Slow enough to look at the record between attempts.
+    config.retry.base = Duration::from_secs(2);
+    config.retry.cap = Duration::from_secs(2);
+    let daemon = start(config);
+
+    // After the first refusal: still in Timeouts, leased until the next attempt, untouched.
+    let counted = eventually(Duration::from_secs(10), || async {
+        attempts_coll(&env)
+            .find_one(doc! { "_id": uuid(id) })
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    assert!(counted, "the failed send is counted outside the record");
+    let held = env.find(id).await.expect("still in Timeouts");
+    assert_eq!(held.get_bool("Locked"), Ok(true), "kept leased: {held}");
+    let until = held.get_datetime("LockExpiresAt").unwrap();
+    assert!(until.timestamp_millis() > in_ms(0).timestamp_millis());
+    assert_eq!(held.get("Time"), original.get("Time"), "Time unchanged");
+    assert_eq!(held.len(), original.len(), "no field added: {held}");
+    let attempts = attempts_coll(&env)
+        .find_one(doc! { "_id": uuid(id) })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(attempts.get_i32("attempts"), Ok(1), "{attempts}");
+
+    let parked = eventually(Duration::from_secs(20), || async {
+        parked_doc(&env, id).await.is_some()
+    })
+    .await;
+    daemon.stop().await;
+    assert!(parked, "parked after max_attempts");
+    assert!(env.find(id).await.is_none(), "removed from Timeouts");
+    let p = parked_doc(&env, id).await.unwrap();
+    assert_eq!(p.get_str("reason"), Ok("unroutable"));
+    assert_eq!(p.get_i64("attempts"), Ok(3));
+    assert!(p.get_str("error").unwrap().contains(&missing), "{p}");
+    assert_eq!(
+        p.get_document("record").unwrap(),
+        &original,
+        "parked in its original, free shape"
+    );
+    assert_eq!(
+        attempts_coll(&env).count_documents(doc! {}).await.unwrap(),
+        0,
+        "count forgotten once parked"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_record_is_sent_once_its_queue_appears() {
+    let env = TestEnv::new().await;
+    let later = format!("timeoutd-test-later-{}", Uuid::new_v4().simple());
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &later,
+        Uuid::new_v4(),
+        in_ms(-100),
+        doc! {},
+    )])
+    .await;
+    let mut config = env.config();
+    config.retry.base = Duration::from_millis(500);
+    config.retry.cap = Duration::from_millis(500);
+    config.retry.max_attempts = 1_000;
+    let daemon = start(config);
+    let refused = eventually(Duration::from_secs(10), || async {
+        attempts_coll(&env)
+            .find_one(doc! { "_id": uuid(id) })
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    assert!(refused);
+    env.declare_queue(&later).await;
+    let mut consumer = env.consumer_of(&later).await;
+    let got = consumer.take(1, Duration::from_secs(10)).await;
+    daemon.stop().await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].header("TimeoutId"), Some(id.to_string()));
+    assert!(env.find(id).await.is_none());
+    assert!(parked_doc(&env, id).await.is_none(), "not parked");
+    let _ = env
+        .channel
+        .queue_delete(later.as_str().into(), Default::default())
+        .await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_records_are_parked_at_once_and_the_rest_flow() {
+    let env = TestEnv::new().await;
+    let due = in_ms(-1_000);
+    let mk = |edit: &dyn Fn(&mut Document)| {
+        let mut d = v7_record(Uuid::new_v4(), &env.queue, Uuid::new_v4(), due, doc! {});
+        edit(&mut d);
+        d
+    };
+    let cases: Vec<(&str, Document)> = vec![
+        (
+            "empty_destination",
+            mk(&|d| {
+                d.insert("Destination", "");
+            }),
+        ),
+        (
+            "empty_destination",
+            mk(&|d| {
+                d.insert("Destination", Bson::Null);
+            }),
+        ),
+        (
+            "empty_destination",
+            mk(&|d| {
+                d.remove("Destination");
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                d.insert("ProcessManagerId", "not a uuid");
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                let ticks = d.get_array("Time").unwrap()[0].as_i64().unwrap();
+                d.insert("Time", vec![Bson::Double(ticks as f64), Bson::Int32(0)]);
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                d.insert("Headers", "not a document");
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                d.insert("_id", "a string id");
+            }),
+        ),
+    ];
+    env.insert(cases.iter().map(|(_, d)| d.clone()).collect())
+        .await;
+    let good = env.insert_due(20).await;
+    let mut consumer = env.consumer().await;
+    let daemon = start(env.config());
+    let got = consumer.take(20, Duration::from_secs(20)).await;
+    let all_parked = eventually(Duration::from_secs(10), || async {
+        parked_coll(&env).count_documents(doc! {}).await.unwrap() == cases.len() as u64
+    })
+    .await;
+    daemon.stop().await;
+    assert_eq!(
+        got.len(),
+        good.len(),
+        "the good records flow past the poison"
+    );
+    assert!(all_parked);
+    assert_eq!(env.count(doc! {}).await, 0, "nothing left in Timeouts");
+    for (reason, d) in &cases {
+        let p = parked_coll(&env)
+            .find_one(doc! { "_id": d.get("_id").unwrap().clone() })
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("not parked: {d}"));
+        assert_eq!(p.get_str("reason"), Ok(*reason), "{p}");
+        assert_eq!(p.get_i64("attempts"), Ok(0), "parked without a retry");
+        assert!(!p.get_str("error").unwrap().is_empty());
+        assert_eq!(p.get_document("record").unwrap(), d, "original shape");
+    }
+    env.cleanup().await;
+}
+
+fn cli(args: &[&str], vars: &[(String, String)]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .envs(vars.iter().cloned())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run timeoutd")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_list_requeue_and_drop() {
+    let env = TestEnv::new().await;
+    let missing = format!("timeoutd-test-missing-{}", Uuid::new_v4().simple());
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    let originals: Vec<Document> = ids
+        .iter()
+        .map(|id| v7_record(*id, &missing, Uuid::new_v4(), in_ms(-500), doc! {}))
+        .collect();
+    env.insert(originals.clone()).await;
+    let mut config = fast_retry(&env);
+    config.retry.max_attempts = 1;
+    let daemon = start(config.clone());
+    let parked = eventually(Duration::from_secs(15), || async {
+        parked_coll(&env).count_documents(doc! {}).await.unwrap() == 3
+    })
+    .await;
+    daemon.stop().await;
+    assert!(parked);
+    let vars = env.env_vars(&config);
+
+    let list = cli(&["parked", "list", "--json"], &vars);
+    assert_eq!(list.status.code(), Some(0), "{list:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 3);
+    for entry in listed {
+        assert_eq!(entry["reason"], "unroutable");
+        assert_eq!(entry["attempts"], 1);
+        assert_eq!(entry["destination"], missing.as_str());
+        assert!(ids.iter().any(|id| entry["id"] == id.to_string()));
+    }
+    let text = cli(&["parked", "list"], &vars);
+    assert!(stdout(&text).contains("3 parked"), "{}", stdout(&text));
+
+    // Requeue one: back in Timeouts exactly as ServiceConnect wrote it.
+    let one = cli(&["parked", "requeue", &ids[0].to_string()], &vars);
+    assert_eq!(one.status.code(), Some(0), "{one:?}");
+    assert_eq!(env.find(ids[0]).await.as_ref(), Some(&originals[0]));
+    assert!(parked_doc(&env, ids[0]).await.is_none());
+
+    // Drop one for good.
+    let dropped = cli(&["parked", "drop", &ids[1].to_string()], &vars);
+    assert_eq!(dropped.status.code(), Some(0), "{dropped:?}");
+    assert!(parked_doc(&env, ids[1]).await.is_none());
+    assert!(env.find(ids[1]).await.is_none());
+
+    // Unknown ids are an error, not a silent success.
+    let unknown = cli(&["parked", "drop", &Uuid::new_v4().to_string()], &vars);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("no parked record"));
+    let neither = cli(&["parked", "requeue"], &vars);
+    assert_eq!(neither.status.code(), Some(2), "an id or --all is required");
+
+    // --all takes the rest; a requeued record is sent once its queue exists.
+    let all = cli(&["parked", "requeue", "--all"], &vars);
+    assert_eq!(all.status.code(), Some(0), "{all:?}");
+    assert_eq!(env.find(ids[2]).await.as_ref(), Some(&originals[2]));
+    assert_eq!(parked_coll(&env).count_documents(doc! {}).await.unwrap(), 0);
+    env.declare_queue(&missing).await;
+    let mut consumer = env.consumer_of(&missing).await;
+    let daemon = start(config);
+    let got = consumer.take(2, Duration::from_secs(15)).await;
+    daemon.stop().await;
+    let mut sent: Vec<String> = got.iter().filter_map(|r| r.header("TimeoutId")).collect();
+    sent.sort();
+    let mut want = vec![ids[0].to_string(), ids[2].to_string()];
+    want.sort();
+    assert_eq!(sent, want);
+    let _ = env
+        .channel
+        .queue_delete(missing.as_str().into(), Default::default())
+        .await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returns_are_matched_to_their_own_messages_in_a_pipelined_batch() {
+    let env = TestEnv::new().await;
+    let missing = format!("timeoutd-test-missing-{}", Uuid::new_v4().simple());
+    let mut good = Vec::new();
+    let mut refused = Vec::new();
+    let mut docs = Vec::new();
+    // Unroutable records interleaved with good ones, all in one batch.
+    for i in 0..300 {
+        let id = Uuid::new_v4();
+        let to = if i % 10 == 3 {
+            refused.push(id);
+            missing.as_str()
+        } else {
+            good.push(id);
+            env.queue.as_str()
+        };
+        docs.push(v7_record(
+            id,
+            to,
+            Uuid::new_v4(),
+            in_ms(-1_000 + i),
+            doc! {},
+        ));
+    }
+    env.insert(docs).await;
+    let mut consumer = env.consumer().await;
+    let mut config = env.config();
+    config.retry.base = Duration::from_secs(600);
+    config.retry.cap = Duration::from_secs(600);
+    let daemon = start(config);
+    let got = consumer.take(good.len() + 1, Duration::from_secs(3)).await;
+    let counted = eventually(Duration::from_secs(10), || async {
+        attempts_coll(&env).count_documents(doc! {}).await.unwrap() == refused.len() as u64
+    })
+    .await;
+    daemon.stop().await;
+    let mut sent: Vec<String> = got.iter().filter_map(|r| r.header("TimeoutId")).collect();
+    sent.sort();
+    let mut want: Vec<String> = good.iter().map(Uuid::to_string).collect();
+    want.sort();
+    assert_eq!(sent, want, "every good record sent once, no refused one");
+    assert!(counted, "exactly the refused records counted a failure");
+    for id in &refused {
+        let d = env
+            .find(*id)
+            .await
+            .unwrap_or_else(|| panic!("{id} was deleted though the broker returned it"));
+        assert_eq!(d.get_bool("Locked"), Ok(true), "waiting for its retry");
+    }
+    assert_eq!(env.count(doc! {}).await, refused.len() as u64);
+    env.cleanup().await;
+}
