@@ -655,6 +655,95 @@ mod tests {
         );
     }
 
+    /// One case per validation rule that the test above does not cover.
+    #[test]
+    fn every_other_rule_names_its_key() {
+        let cases = [
+            (
+                "[dispatch]\nshutdown_timeout = \"0s\"",
+                "dispatch.shutdown_timeout",
+            ),
+            (
+                "[dispatch]\nlease_safety_margin = \"0s\"",
+                "dispatch.lease_safety_margin",
+            ),
+            (
+                "[rabbitmq]\npublish_timeout = \"0s\"",
+                "rabbitmq.publish_timeout",
+            ),
+            ("[mongodb]\nuri = \"\"", "mongodb.uri"),
+            ("[mongodb]\nuri = \"postgres://h\"", "mongodb.uri"),
+            ("[mongodb]\ndatabase = \" \"", "mongodb.database"),
+            ("[mongodb]\ncollection = \"\"", "mongodb.collection"),
+            (
+                "[mongodb]\nparked_collection = \"\"",
+                "mongodb.parked_collection",
+            ),
+            (
+                "[mongodb]\nattempts_collection = \"\"",
+                "mongodb.attempts_collection",
+            ),
+            (
+                "[mongodb]\nparked_collection = \"Timeouts\"",
+                "mongodb.parked_collection",
+            ),
+            (
+                "[mongodb]\nuri_file = \"/nonexistent/uri\"",
+                "mongodb.uri_file",
+            ),
+            ("[rabbitmq]\nuri = \"\"", "rabbitmq.uri"),
+            (
+                "[rabbitmq]\nuri_file = \"/nonexistent/uri\"",
+                "rabbitmq.uri_file",
+            ),
+            (
+                "[rabbitmq]\nsource_address = \"\"",
+                "rabbitmq.source_address",
+            ),
+            (
+                "[rabbitmq]\nfull_type_name = \"\"",
+                "rabbitmq.full_type_name",
+            ),
+            ("[retry]\nbase = \"0s\"", "retry.base"),
+            ("[retry]\nbase = \"1m\"\ncap = \"10s\"", "retry.cap"),
+            ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
+            ("[retry]\nmax_attempts = -1", "retry.max_attempts"),
+            ("[retry]\nbogus = 1", "retry.bogus"),
+            ("[log]\nlevel = \"timeoutd=loud\"", "log.level"),
+            ("[http]\nlisten = \"127.0.0.1:99999\"", "http.listen"),
+        ];
+        for (text, key) in cases {
+            let keys = keys_of(text);
+            assert!(keys.iter().any(|k| k == key), "{text:?} gave {keys:?}");
+        }
+    }
+
+    #[test]
+    fn uri_files_replace_inline_uris() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mongodb-uri");
+        std::fs::write(&file, "mongodb://u:from-file@db:27017\n").unwrap();
+        let c = Config::from_toml(&format!(
+            "[mongodb]\nuri = \"mongodb://inline\"\nuri_file = \"{}\"",
+            file.display()
+        ))
+        .unwrap();
+        assert_eq!(c.mongodb.uri, "mongodb://u:from-file@db:27017");
+        assert!(!c.to_redacted_toml().contains("from-file"));
+    }
+
+    #[test]
+    fn retry_delays_double_up_to_the_cap() {
+        let r = RetryConfig {
+            base: Duration::from_secs(5),
+            cap: Duration::from_secs(60),
+            max_attempts: 10,
+        };
+        let delays: Vec<u64> = (1..=6).map(|n| r.delay_after(n).as_secs()).collect();
+        assert_eq!(delays, [5, 10, 20, 40, 60, 60]);
+        assert_eq!(r.delay_after(u32::MAX), Duration::from_secs(60));
+    }
+
     #[test]
     fn reports_all_validation_problems_at_once() {
         let e = Config::from_toml(

@@ -68,6 +68,45 @@ fn bad_configs_exit_2_naming_the_key() {
 }
 
 #[test]
+fn uris_come_from_secret_files_named_by_file_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let mongo = dir.path().join("mongodb-uri");
+    let amqp = dir.path().join("amqp-uri");
+    std::fs::write(&mongo, "mongodb://svc:m-secret@db.internal:27017/\n").unwrap();
+    std::fs::write(&amqp, "amqps://svc:a-secret@mq.internal:5671/%2f\n").unwrap();
+    let f = temp_config("");
+    let config = f.path().to_str().unwrap();
+    let o = run(
+        &["check-config", "--config", config],
+        &[
+            (
+                "TIMEOUTD_MONGODB__URI_FILE".into(),
+                mongo.display().to_string(),
+            ),
+            (
+                "TIMEOUTD_RABBITMQ__URI_FILE".into(),
+                amqp.display().to_string(),
+            ),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(shown.contains("svc:***@db.internal:27017"), "{shown}");
+    assert!(shown.contains("svc:***@mq.internal:5671"), "{shown}");
+    assert!(!shown.contains("secret"), "{shown}");
+
+    let o = run(
+        &["check-config", "--config", config],
+        &[(
+            "TIMEOUTD_MONGODB__URI_FILE".into(),
+            dir.path().join("missing").display().to_string(),
+        )],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("mongodb.uri_file"), "{}", stderr(&o));
+}
+
+#[test]
 fn environment_overrides_are_validated_too() {
     let f = temp_config("");
     let o = run(
