@@ -1,0 +1,51 @@
+# timeoutd container image.
+#
+#   docker build -t timeoutd .
+#   docker run --rm -p 9464:9464 \
+#     -e TIMEOUTD_MONGODB__URI=mongodb://mongo:27017 \
+#     -e TIMEOUTD_RABBITMQ__URI=amqp://user:pass@rabbit:5672/%2f \
+#     timeoutd
+#
+# The build needs only what the Rust image has: rustls uses aws-lc-sys, which is compiled
+# with the C compiler (its cc builder; no cmake, perl, go or clang). The runtime image is
+# distroless (glibc, libgcc, CA certificates; no shell), so HEALTHCHECK is in exec form.
+
+FROM rust:1.95.0-slim-bookworm AS build
+WORKDIR /build
+ENV CARGO_TERM_COLOR=never \
+    CARGO_PROFILE_RELEASE_STRIP=symbols
+
+# Dependencies first, against placeholder sources: this layer is rebuilt only when
+# Cargo.toml or Cargo.lock change, not on every source edit.
+COPY Cargo.toml Cargo.lock ./
+RUN mkdir src \
+    && echo 'fn main() {}' > src/main.rs \
+    && touch src/lib.rs \
+    && cargo build --release --locked \
+    && rm -rf src
+
+# The real sources. touch: COPY keeps the files' own times, which can be older than the
+# placeholder build, and cargo would then keep the placeholder binary.
+COPY src ./src
+COPY config/timeoutd.toml ./config/timeoutd.toml
+RUN touch src/main.rs src/lib.rs \
+    && cargo build --release --locked --bin timeoutd \
+    && ./target/release/timeoutd --config config/timeoutd.toml check-config > /dev/null
+
+FROM gcr.io/distroless/cc-debian12:nonroot
+LABEL org.opencontainers.image.title="timeoutd" \
+      org.opencontainers.image.description="Fires ServiceConnect timeouts from MongoDB to RabbitMQ"
+COPY --from=build /build/target/release/timeoutd /usr/local/bin/timeoutd
+COPY config/timeoutd.toml /etc/timeoutd/timeoutd.toml
+# distroless's "nonroot" user, by number so that Kubernetes' runAsNonRoot can check it.
+USER 65532:65532
+WORKDIR /
+# [http] listen: /metrics, /healthz, /readyz.
+EXPOSE 9464
+# On SIGTERM timeoutd stops claiming, waits up to [dispatch] shutdown_timeout (20s) for
+# publish confirms and 5s more for releases: give `docker stop` --time 30 or more.
+STOPSIGNAL SIGTERM
+# `timeoutd health` GETs /healthz on [http] listen and gives up after 5s.
+HEALTHCHECK --interval=15s --timeout=10s --start-period=30s --retries=3 \
+    CMD ["timeoutd", "health"]
+ENTRYPOINT ["timeoutd", "run"]
