@@ -139,7 +139,7 @@ def validate(paths):
             try:
                 docs = load_documents(file)
             except (OSError, yaml.YAMLError) as e:
-                errors.append(f"{file}: {e}")
+                errors.append(f"{file}: {' '.join(str(e).split())}")
                 continue
             if not docs:
                 errors.append(f"{file}: no YAML document")
