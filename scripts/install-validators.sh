@@ -16,7 +16,11 @@ venv=$tools/venv
 requirements=scripts/validators/requirements.txt
 python=${PYTHON:-python3}
 
-stamp="$(sha256sum "$requirements" | cut -d' ' -f1) $("$python" --version 2>&1)"
+if ! python_version=$("$python" --version 2>&1); then
+  echo "install-validators: $python does not run ($python_version); set PYTHON to a Python 3.10+" >&2
+  exit 1
+fi
+stamp="$(sha256sum "$requirements" | cut -d' ' -f1) $python_version"
 if [ -x "$venv/bin/hadolint" ] && [ -x "$venv/bin/python" ] \
   && [ "$(cat "$venv/.installed" 2>/dev/null)" = "$stamp" ]; then
   exit 0
