@@ -11,4 +11,5 @@ scripts/ensure-rabbitmq.sh
 if [ -z "${TIMEOUTD_TEST_MONGODB_URI:-}" ]; then
   scripts/install-test-mongodb.sh
 fi
+scripts/install-validators.sh
 cargo test --all-targets "$@"
