@@ -53,6 +53,13 @@ pub struct MongoConfig {
     /// Where failed-send counts are kept; `<collection>_attempts` when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attempts_collection: Option<String>,
+    /// PEM file of the CA that signed the server's certificate; turns TLS on. (The URI's own
+    /// `tls=true&tlsCAFile=...` options work too.)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM file holding the client certificate and its key, for x.509 client authentication.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_certificate_key_file: Option<PathBuf>,
 }
 
 impl MongoConfig {
@@ -81,6 +88,8 @@ impl Default for MongoConfig {
             time_encoding: TimeEncoding::DotnetTicks,
             parked_collection: None,
             attempts_collection: None,
+            tls_ca_file: None,
+            tls_certificate_key_file: None,
         }
     }
 }
@@ -108,6 +117,15 @@ pub struct RabbitConfig {
     pub message_id: MessageIdMode,
     #[serde(with = "humantime_serde")]
     pub publish_timeout: Duration,
+    /// For `amqps://`: PEM file of the CA that signed the broker's certificate (default: the
+    /// system's roots).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<PathBuf>,
+    /// For `amqps://` with client certificates: PEM certificate and PEM (PKCS#8) key files.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for RabbitConfig {
@@ -119,6 +137,9 @@ impl Default for RabbitConfig {
             full_type_name: V7_FULL_TYPE_NAME.into(),
             message_id: MessageIdMode::Stable,
             publish_timeout: Duration::from_secs(30),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -468,6 +489,29 @@ impl Config {
             bad(
                 "mongodb.uri",
                 "w=0 (unacknowledged writes) is refused: guarded deletes and releases would all look successful and lost leases would go unnoticed".into(),
+            );
+        }
+        let rq = &self.rabbitmq;
+        for (key, file) in [
+            ("mongodb.tls_ca_file", &m.tls_ca_file),
+            (
+                "mongodb.tls_certificate_key_file",
+                &m.tls_certificate_key_file,
+            ),
+            ("rabbitmq.tls_ca_file", &rq.tls_ca_file),
+            ("rabbitmq.tls_cert_file", &rq.tls_cert_file),
+            ("rabbitmq.tls_key_file", &rq.tls_key_file),
+        ] {
+            if let Some(path) = file
+                && let Err(e) = std::fs::metadata(path)
+            {
+                bad(key, format!("cannot read {}: {e}", path.display()));
+            }
+        }
+        if rq.tls_cert_file.is_some() != rq.tls_key_file.is_some() {
+            bad(
+                "rabbitmq.tls_key_file",
+                "rabbitmq.tls_cert_file and rabbitmq.tls_key_file go together".into(),
             );
         }
         if !has_scheme(&self.rabbitmq.uri, &["amqp://", "amqps://"]) {

@@ -29,6 +29,8 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub enum DaemonError {
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Publish(#[from] crate::publisher::PublishError),
     #[error("cannot listen on http.listen {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -52,6 +54,7 @@ pub async fn run_with(
 ) -> Result<(), DaemonError> {
     let config = Arc::new(config);
     let store = Store::connect(&config.mongodb, clock).await?;
+    let publisher = Publisher::new(&config.rabbitmq)?;
     // Installed before anything records a metric.
     let _ = http::prometheus();
     let health = Arc::new(Health::new(config.dispatch.poll_interval));
@@ -90,7 +93,6 @@ pub async fn run_with(
             config.reaper_interval(),
             shutdown.clone(),
         ));
-        let publisher = Publisher::new(&config.rabbitmq.uri, &config.rabbitmq.source_address);
         let dispatcher = Dispatcher::new(
             config.clone(),
             store,

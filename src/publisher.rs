@@ -9,7 +9,10 @@ use std::collections::HashSet;
 
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::config::RabbitConfig;
 use tokio_util::sync::CancellationToken;
 
 use crate::message::OutgoingMessage;
@@ -19,6 +22,11 @@ use crate::message::OutgoingMessage;
 pub enum PublishError {
     #[error("RabbitMQ: {0}")]
     Amqp(#[from] lapin::Error),
+    #[error("cannot read TLS file {path}: {source}")]
+    TlsFile {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// The fate of one published message.
@@ -95,17 +103,40 @@ fn settle(
 pub struct Publisher {
     uri: String,
     name: String,
+    tls: OwnedTLSConfig,
     link: Option<(Connection, Channel)>,
 }
 
 impl Publisher {
-    /// A publisher for `uri`; connects on [`Publisher::connect`].
-    pub fn new(uri: &str, connection_name: &str) -> Self {
-        Self {
-            uri: uri.to_string(),
-            name: connection_name.to_string(),
+    /// A publisher for `[rabbitmq]`; reads the TLS files now and connects on
+    /// [`Publisher::connect`].
+    pub fn new(config: &RabbitConfig) -> Result<Self, PublishError> {
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|source| PublishError::TlsFile {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let cert_chain = match &config.tls_ca_file {
+            Some(p) => Some(String::from_utf8_lossy(&read(p)?).into_owned()),
+            None => None,
+        };
+        let identity = match (&config.tls_cert_file, &config.tls_key_file) {
+            (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 {
+                pem: read(cert)?,
+                key: read(key)?,
+            }),
+            _ => None,
+        };
+        Ok(Self {
+            uri: config.uri.clone(),
+            name: config.source_address.clone(),
+            tls: OwnedTLSConfig {
+                identity,
+                cert_chain,
+            },
             link: None,
-        }
+        })
     }
 
     /// Whether the connection and channel are open.
@@ -122,7 +153,9 @@ impl Publisher {
         }
         self.link = None;
         let props = ConnectionProperties::default().with_connection_name(self.name.clone().into());
-        let conn = Connection::connect(&self.uri, props).await?;
+        let runtime = lapin::runtime::default_runtime()?;
+        let conn =
+            Connection::connect_with_config(&self.uri, props, self.tls.clone(), runtime).await?;
         let channel = conn.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())

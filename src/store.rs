@@ -97,6 +97,19 @@ impl Store {
         {
             return Err(StoreError::UnacknowledgedWriteConcern);
         }
+        if config.tls_ca_file.is_some() || config.tls_certificate_key_file.is_some() {
+            let mut tls = match options.tls.take() {
+                Some(mongodb::options::Tls::Enabled(t)) => t,
+                _ => mongodb::options::TlsOptions::default(),
+            };
+            if let Some(ca) = &config.tls_ca_file {
+                tls.ca_file_path = Some(ca.clone());
+            }
+            if let Some(cert_key) = &config.tls_certificate_key_file {
+                tls.cert_key_file_path = Some(cert_key.clone());
+            }
+            options.tls = Some(mongodb::options::Tls::Enabled(tls));
+        }
         if options.app_name.is_none() {
             options.app_name = Some("timeoutd".into());
         }
