@@ -111,15 +111,26 @@ pub fn claimable(now: DateTime) -> Document {
 
 /// Due at `now` and claimable at `now`.
 pub fn due_filter(now: DateTime, encoding: TimeEncoding) -> Document {
-    let mut f = due_by(now, encoding);
+    due_within(now, now, encoding)
+}
+
+/// Due by `horizon` (`now` plus the look-ahead) and claimable at `now`: what a claim takes.
+/// Records due after `now` are held under the lease and sent at their due instant.
+pub fn due_within(now: DateTime, horizon: DateTime, encoding: TimeEncoding) -> Document {
+    let mut f = due_by(horizon, encoding);
     f.extend(claimable(now));
     f
 }
 
-/// The compare-and-swap claim: the due filter again, restricted to the candidates. Rows a
-/// racing worker took since the candidates were read no longer match and are skipped.
-pub fn claim_filter(now: DateTime, encoding: TimeEncoding, candidates: &[Bson]) -> Document {
-    let mut f = due_filter(now, encoding);
+/// The compare-and-swap claim: the claim's filter again, restricted to the candidates. Rows
+/// a racing worker took since the candidates were read no longer match and are skipped.
+pub fn claim_filter(
+    now: DateTime,
+    horizon: DateTime,
+    encoding: TimeEncoding,
+    candidates: &[Bson],
+) -> Document {
+    let mut f = due_within(now, horizon, encoding);
     f.insert(field::ID, doc! { "$in": candidates });
     f
 }
