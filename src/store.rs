@@ -400,12 +400,35 @@ impl Store {
         Ok(r.modified_count)
     }
 
+    /// The backlog gauges: due and claimable records, and the age of the oldest due one.
+    /// Cheap: both queries are bounded by the due records, not by the future ones.
+    pub async fn backlog(&self) -> Result<(u64, Option<f64>), StoreError> {
+        let now = self.clock.now();
+        let due = self
+            .coll
+            .count_documents(lease::due_filter(now, self.encoding))
+            .await?;
+        Ok((due, self.oldest_due_age(now).await?))
+    }
+
+    async fn oldest_due_age(&self, now: DateTime) -> Result<Option<f64>, StoreError> {
+        let oldest = self
+            .coll
+            .find_one(lease::due_by(now, self.encoding))
+            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
+            .await?;
+        Ok(oldest
+            .and_then(|d| TimeoutRecord::decode_due(&d, self.encoding))
+            .map(|due| (now.timestamp_millis() - due.timestamp_millis()).max(0) as f64 / 1000.0))
+    }
+
     /// Counts for operators.
     pub async fn stats(&self) -> Result<Stats, StoreError> {
         let now = self.clock.now();
-        let due_by_now = lease::due_by(now, self.encoding);
-        let mut not_due = lease::due_after(now, self.encoding);
-        not_due.insert(field::LOCKED, false);
+        let not_due = lease::all_of([
+            lease::due_after(now, self.encoding),
+            doc! { field::LOCKED: false },
+        ]);
         let due = self
             .coll
             .count_documents(lease::due_filter(now, self.encoding));
@@ -421,14 +444,7 @@ impl Store {
             parking.count(),
             parking.count_retrying(),
         )?;
-        let oldest = self
-            .coll
-            .find_one(due_by_now)
-            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .await?;
-        let oldest_due_age_seconds = oldest
-            .and_then(|d| TimeoutRecord::decode(&d, self.encoding).ok())
-            .map(|r| (now.timestamp_millis() - r.due.timestamp_millis()).max(0) as f64 / 1000.0);
+        let oldest_due_age_seconds = self.oldest_due_age(now).await?;
         Ok(Stats {
             pending,
             due,
