@@ -63,6 +63,9 @@ pub struct Dispatcher {
     publisher: Publisher,
     health: Arc<Health>,
     shutdown: CancellationToken,
+    /// The last batch had publishes whose outcome is unknown: back off before the next
+    /// claim, so that a link that withholds confirms does not resend the same records hot.
+    unconfirmed: bool,
 }
 
 impl Dispatcher {
@@ -79,6 +82,7 @@ impl Dispatcher {
             publisher,
             health,
             shutdown,
+            unconfirmed: false,
         }
     }
 
@@ -115,7 +119,6 @@ impl Dispatcher {
             };
             self.health.set_up(m::MONGODB, true);
             m::claim_duration(started.elapsed());
-            backoff.reset();
             let claimed = claim.rows.len();
             let more = claim.more;
             if claimed > 0 {
@@ -126,6 +129,14 @@ impl Dispatcher {
                 m::leases_held(0);
             }
             self.health.poll_completed();
+            if std::mem::take(&mut self.unconfirmed) {
+                let wait = backoff.next_delay();
+                tracing::warn!(retry_in = ?wait, "publishes went unconfirmed; backing off before the next claim");
+                self.health.waiting(wait);
+                self.pause(wait).await;
+                continue;
+            }
+            backoff.reset();
             // Poll every poll_interval (counted from this claim), or at once while more is due.
             if !more {
                 self.pause(d.poll_interval.saturating_sub(started.elapsed()))
@@ -234,6 +245,9 @@ impl Dispatcher {
             .iter()
             .map(|r| message::build(&r.record, &self.config.rabbitmq, sent_at))
             .collect();
+        if let Err(e) = self.publisher.connect().await {
+            tracing::debug!(error = %e, "RabbitMQ link down before a wave");
+        }
         let stop_waiting = self.confirm_deadline();
         // A wait bounded by publish_timeout is not a stall.
         self.health.waiting(self.config.rabbitmq.publish_timeout);
@@ -255,6 +269,15 @@ impl Dispatcher {
                 SendOutcome::Returned | SendOutcome::Nacked => {
                     m::publish_failure(outcome.reason());
                     refused.push((r, outcome));
+                }
+                other if other.outcome_unknown() => {
+                    // The broker may have it: releasing lets a peer send it again, a possible
+                    // duplicate, counted as a lost lease.
+                    tracing::warn!(timeout_id = %record.id, destination = %record.destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
+                    m::publish_failure(other.reason());
+                    m::lease_lost(1);
+                    self.unconfirmed = true;
+                    failed.push(id.clone());
                 }
                 other => {
                     tracing::warn!(timeout_id = %record.id, destination = %record.destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
