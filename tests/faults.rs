@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, doc};
-use common::fleet::{Daemon, DeliveryCounter, Fault, FaultProxy, http_get, series, vars};
+use common::fleet::{
+    Daemon, DeliveryCounter, Fault, FaultProxy, http_get, idle_metrics, series, vars,
+};
 use common::proxy::host_port;
 use common::*;
 use futures::TryStreamExt;
@@ -206,16 +208,27 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
 
     // Hold back a's confirms: its batch reaches the queue and it waits for the confirms, so
     // it is caught holding records whose messages were delivered but that it did not delete.
+    // Caught means: some of what a holds was delivered, and a still holds the same records a
+    // moment later (a batch whose confirms all came back would be deleted by then).
     proxy_a.set(Fault::HoldReplies);
-    let caught = eventually(secs(30), || async {
+    let mut held_before_kill = BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + secs(30);
+    while held_before_kill.is_empty() && tokio::time::Instant::now() < deadline {
         let delivered = counter.counts();
-        held_by(&env, &a)
-            .await
-            .iter()
-            .any(|id| delivered.contains_key(id))
-    })
-    .await;
-    assert!(caught, "a holds a batch it has published");
+        let held = held_by(&env, &a).await;
+        if held.iter().any(|id| delivered.contains_key(id)) {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if held_by(&env, &a).await == held {
+                held_before_kill = held;
+            }
+        } else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert!(
+        !held_before_kill.is_empty(),
+        "a holds a batch it has published"
+    );
     let lost_a = a.metric(LEASE_LOST).await;
     a.kill9().await;
     let at_kill = leased(&env).await;
@@ -232,31 +245,33 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
         counter.distinct()
     );
     assert!(empty(&env, secs(30)).await, "every record removed");
-    // Records leased at the kill by an owner no live instance ever logged were a's.
+    // What a held when it died: its batch seen just before the kill, and whatever was leased
+    // at the kill to an owner that no live instance ever logged.
     let survivors: BTreeSet<Uuid> = [&a2, &b, &c].iter().flat_map(|d| d.owners()).collect();
-    let killed_held: BTreeSet<String> = at_kill
+    let orphaned: Vec<(&String, &Uuid)> = at_kill
         .iter()
         .filter(|(_, (o, _))| !survivors.contains(o))
-        .map(|(id, _)| id.clone())
+        .map(|(id, (o, _))| (id, o))
         .collect();
     let a_owners = a.owners();
     assert!(
-        at_kill
-            .iter()
-            .filter(|(id, _)| killed_held.contains(*id))
-            .all(|(_, (o, _))| a_owners.contains(o)),
+        orphaned.iter().all(|(_, o)| a_owners.contains(o)),
         "the records no survivor claimed were a's"
     );
+    let killed_held: BTreeSet<String> = orphaned
+        .into_iter()
+        .map(|(id, _)| id.clone())
+        .chain(held_before_kill)
+        .collect();
     let mut lease_lost = lost_a;
     for d in [&a2, &b, &c] {
-        lease_lost += d.metric(LEASE_LOST).await;
+        lease_lost += d.idle_metric(LEASE_LOST).await;
     }
     for d in [a2, b, c] {
         d.stop().await;
     }
     counter.settle(secs(1)).await;
 
-    assert!(!killed_held.is_empty(), "a died holding records");
     let duplicates = audit("kill -9", &ids, &counter, lease_lost, &killed_held);
     assert!(
         duplicates >= 1,
@@ -333,14 +348,14 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str
     // With the peers gone, a alone sends a second wave: it works again.
     let mut lease_lost = 0.0;
     for d in [b, c] {
-        lease_lost += d.metric(LEASE_LOST).await;
+        lease_lost += d.idle_metric(LEASE_LOST).await;
         d.stop().await;
     }
     let dispatched_before = a.metric("timeoutd_dispatched_total").await;
     ids.extend(env.insert_due(200).await);
     assert!(counter.wait_distinct(ids.len(), secs(60)).await);
     assert!(empty(&env, secs(30)).await);
-    let metrics = a.metrics().await;
+    let metrics = a.idle_metrics().await;
     assert!(series(&metrics, "timeoutd_dispatched_total") >= dispatched_before + 200.0);
     assert!(
         series(
@@ -375,19 +390,21 @@ async fn rabbitmq_cut_before_the_batch_reaches_the_broker() {
     );
 }
 
-// BUG (reported, not fixed here): a publish whose connection drops after the broker routed
-// it is released as failed and sent again by whoever claims it next. The release succeeds
-// (the lease still holds), so the duplicate is not counted in timeoutd_lease_lost_total; it
-// shows only as timeoutd_publish_failures_total{reason="connection"}.
+// BUG (reported, not fixed here): a publish whose outcome is unknown (the connection dropped,
+// or no confirm came within publish_timeout / shutdown_timeout) after the broker routed it is
+// released as failed and sent again by whoever claims it next. The release succeeds (the
+// lease still holds), so the duplicate is not counted in timeoutd_lease_lost_total; it shows
+// only as timeoutd_publish_failures_total{reason="connection"|"timeout"}. Observed here: 1,200
+// records, 1,300 deliveries, 100 duplicates (a's whole batch), lease_lost 0. Un-ignore once
+// timeoutd counts these.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "bug: a connection lost after the broker routed a publish forces a duplicate that timeoutd_lease_lost_total does not count"]
 async fn rabbitmq_cut_after_the_broker_routed_the_batch() {
     rabbitmq_cut_in_the_middle_of_a_batch(Fault::HoldReplies, "rabbitmq cut, batch routed").await;
 }
 
-/// Scenario 3: the MongoDB link of instance `a` is cut between its publish and its delete.
-/// a's confirms are held back until the cut is in place, so the cut lands exactly between
-/// the two. Returns with the cut in place and a retrying its delete; peer `b` is running.
+/// Scenario 3, set up: instance `a` has published a batch and had it confirmed, and its
+/// MongoDB link is cut, so its delete fails and is retried; peer `b` is running.
 struct MongoCut {
     env: TestEnv,
     ids: Vec<Uuid>,
@@ -398,6 +415,8 @@ struct MongoCut {
     owner: Uuid,
 }
 
+/// a's confirms are held back until the MongoDB cut is in place, so the cut lands exactly
+/// between the publish and the delete.
 async fn cut_mongodb_between_publish_and_delete(lease: Duration) -> MongoCut {
     let env = TestEnv::new().await;
     let n = 300;
@@ -462,8 +481,8 @@ async fn mongodb_cut_between_publish_and_delete_restored_within_the_lease() {
         empty(&env, secs(40)).await,
         "a deletes once MongoDB is back"
     );
-    assert_eq!(a.metric("timeoutd_removed_total").await, n as f64);
-    let lease_lost = a.metric(LEASE_LOST).await + b.metric(LEASE_LOST).await;
+    assert_eq!(a.idle_metric("timeoutd_removed_total").await, n as f64);
+    let lease_lost = a.idle_metric(LEASE_LOST).await + b.idle_metric(LEASE_LOST).await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -502,8 +521,8 @@ async fn mongodb_cut_between_publish_and_delete_outlasting_the_lease() {
         .await,
         "a counts every record it could not delete in time as a lost lease"
     );
-    assert_eq!(a.metric("timeoutd_removed_total").await, 0.0);
-    let lease_lost = a.metric(LEASE_LOST).await + b.metric(LEASE_LOST).await;
+    assert_eq!(a.idle_metric("timeoutd_removed_total").await, 0.0);
+    let lease_lost = a.idle_metric(LEASE_LOST).await + b.idle_metric(LEASE_LOST).await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -557,7 +576,7 @@ async fn rabbitmq_unreachable_at_start() {
     }
     assert!(counter.wait_distinct(n, secs(60)).await);
     assert!(empty(&env, secs(30)).await);
-    let lease_lost = a.metric(LEASE_LOST).await + b.metric(LEASE_LOST).await;
+    let lease_lost = a.idle_metric(LEASE_LOST).await + b.idle_metric(LEASE_LOST).await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -653,7 +672,7 @@ async fn rolling_restart_under_load() {
     );
     assert!(empty(&env, secs(30)).await);
     for d in &fleet {
-        lease_lost += d.metric(LEASE_LOST).await;
+        lease_lost += d.idle_metric(LEASE_LOST).await;
     }
     for d in fleet {
         all_logs.extend(d.stop().await);
@@ -754,8 +773,8 @@ async fn a_skewed_clock_steals_no_lease() {
     assert!(counter.wait_distinct(ids.len(), secs(60)).await);
     assert!(empty(&env, secs(30)).await);
     // b's metrics are this process's (the only in-process daemon of this test binary).
-    let lease_lost = a.metric(LEASE_LOST).await
-        + series(&http_get(format!("{b_base}/metrics")).await.1, LEASE_LOST);
+    let lease_lost =
+        a.idle_metric(LEASE_LOST).await + series(&idle_metrics(&b_base).await, LEASE_LOST);
     stop_b.cancel();
     tokio::time::timeout(secs(30), b)
         .await
@@ -807,7 +826,7 @@ async fn a_stalled_publish_outliving_its_lease_is_counted() {
         .await,
         "a counts its lost leases"
     );
-    let metrics = a.metrics().await;
+    let metrics = a.idle_metrics().await;
     assert_eq!(
         series(&metrics, "timeoutd_dispatched_total"),
         n as f64,
@@ -829,7 +848,7 @@ async fn a_stalled_publish_outliving_its_lease_is_counted() {
     let want: BTreeSet<String> = ids.iter().map(Uuid::to_string).collect();
     assert_eq!(named, want, "the log names every record of the lost lease");
     let lost_a = series(&metrics, LEASE_LOST);
-    let lease_lost = lost_a + b.metric(LEASE_LOST).await;
+    let lease_lost = lost_a + b.idle_metric(LEASE_LOST).await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;

@@ -197,6 +197,16 @@ impl Daemon {
         series(&self.metrics().await, name)
     }
 
+    /// `/metrics` once no batch is in flight, so the counters include all the last batch did.
+    pub async fn idle_metrics(&self) -> String {
+        idle_metrics(&self.base).await
+    }
+
+    /// One series of [`Daemon::idle_metrics`].
+    pub async fn idle_metric(&self, name: &str) -> f64 {
+        series(&self.idle_metrics().await, name)
+    }
+
     /// Waits up to `within` for `/readyz` to answer `code`.
     pub async fn ready_is(&self, code: u16, within: Duration) -> bool {
         eventually(within, || async { self.get("/readyz").await.0 == code }).await
@@ -219,6 +229,24 @@ pub async fn http_get(url: String) -> (u16, String) {
     })
     .await
     .unwrap()
+}
+
+/// `/metrics` of the daemon at `base` once `timeoutd_leases_held` is 0: no batch in flight,
+/// so every counter includes what the last batch did (waits up to 60 s).
+pub async fn idle_metrics(base: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, text) = http_get(format!("{base}/metrics")).await;
+        assert_eq!(code, 200, "{base}/metrics");
+        if series(&text, "timeoutd_leases_held") == 0.0 {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{base} still holds leases: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The value of one series (`name` with its label text, exactly as rendered); 0 when absent.
