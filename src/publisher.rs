@@ -235,16 +235,14 @@ impl Publisher {
             .collect();
         let outcomes = settle(&ids, confirms);
         // A link that lost or withheld a confirm is suspect: the next batch opens a new one.
-        if broken.is_some()
+        let suspect = broken.is_some()
             || !self.is_connected()
-            || outcomes.iter().any(SendOutcome::outcome_unknown)
-        {
-            if let Some((conn, _)) = self.link.take() {
-                tokio::spawn(async move {
-                    let close = conn.close(320, "timeoutd: link lost or withheld confirms".into());
-                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), close).await;
-                });
-            }
+            || outcomes.iter().any(SendOutcome::outcome_unknown);
+        if suspect && let Some((conn, _)) = self.link.take() {
+            tokio::spawn(async move {
+                let close = conn.close(320, "timeoutd: link lost or withheld confirms".into());
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), close).await;
+            });
         }
         outcomes
     }
