@@ -13,7 +13,11 @@ fuzz_target!(|data: &[u8]| {
     };
     for encoding in [TimeEncoding::DotnetTicks, TimeEncoding::Date] {
         if let Ok(record) = TimeoutRecord::decode(&doc, encoding) {
-            let _ = message::build(&record, &RabbitConfig::default(), std::time::SystemTime::now());
+            let _ = message::build(
+                &record,
+                &RabbitConfig::default(),
+                std::time::SystemTime::now(),
+            );
             let _ = record.to_document(encoding);
         }
     }
