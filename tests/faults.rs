@@ -867,3 +867,146 @@ async fn a_stalled_publish_outliving_its_lease_is_counted() {
     counter.close().await;
     env.cleanup().await;
 }
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One instance of the soak, with its own proxies to both services.
+struct SoakInstance {
+    name: String,
+    daemon: Daemon,
+    amqp: FaultProxy,
+    mongodb: FaultProxy,
+}
+
+/// The soak: `TIMEOUTD_SOAK_RECORDS` (default 100,000) records due uniformly over
+/// `TIMEOUTD_SOAK_SECONDS` (default 180), three instances, and every few seconds a random
+/// fault on a random instance: `kill -9` then a restart, or its RabbitMQ or MongoDB link cut
+/// for three seconds. Prints one `SOAK` line: records, lost, duplicates, lateness.
+/// `cargo test --release --test faults soak -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a soak of several minutes; run it on purpose"]
+async fn soak_with_random_kills_and_cuts() {
+    use rand::{RngExt, SeedableRng};
+    let n = env_number("TIMEOUTD_SOAK_RECORDS", 100_000) as usize;
+    let span_ms = env_number("TIMEOUTD_SOAK_SECONDS", 180) as i64 * 1_000;
+    let seed = env_number("TIMEOUTD_SOAK_SEED", 7);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let env = TestEnv::new().await;
+    let config = fleet_config(&env, secs(10), 500);
+
+    // Records due from 20 s from now, spread evenly over the span.
+    let start = in_ms(20_000).timestamp_millis();
+    let mut due_of: HashMap<String, i64> = HashMap::with_capacity(n);
+    let mut ids = Vec::with_capacity(n);
+    let mut docs = Vec::with_capacity(10_000);
+    for i in 0..n {
+        let id = Uuid::new_v4();
+        let due = start + span_ms * i as i64 / n as i64;
+        due_of.insert(id.to_string(), due);
+        ids.push(id);
+        docs.push(v7_record(
+            id,
+            &env.queue,
+            Uuid::new_v4(),
+            DateTime::from_millis(due),
+            doc! {},
+        ));
+        if docs.len() == 10_000 {
+            env.insert(std::mem::take(&mut docs)).await;
+        }
+    }
+    env.insert(docs).await;
+    let counter = DeliveryCounter::start(&env.queue).await;
+
+    let mut fleet = Vec::new();
+    for name in ["a", "b", "c"] {
+        let amqp = amqp_proxy(Fault::Forward).await;
+        let mongodb = FaultProxy::start(&host_port(&mongo_uri()), Fault::Forward).await;
+        let daemon = spawn(name, &env, &config, Some(&amqp), Some(&mongodb)).await;
+        fleet.push(SoakInstance {
+            name: name.into(),
+            daemon,
+            amqp,
+            mongodb,
+        });
+    }
+
+    let mut killed_held: BTreeSet<String> = BTreeSet::new();
+    let mut lease_lost = 0.0;
+    let mut faults: Vec<String> = Vec::new();
+    let end = start + span_ms;
+    while DateTime::now().timestamp_millis() < end {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(4_000..10_000))).await;
+        let i = rng.random_range(0..fleet.len());
+        let target = &mut fleet[i];
+        match rng.random_range(0..3) {
+            0 => {
+                // What it held may be delivered once more by a peer.
+                killed_held.extend(held_by(&env, &target.daemon).await);
+                lease_lost += target.daemon.metric(LEASE_LOST).await;
+                target.daemon.kill9().await;
+                faults.push(format!("kill -9 {}", target.name));
+                tokio::time::sleep(secs(2)).await;
+                target.daemon = spawn(
+                    &target.name,
+                    &env,
+                    &config,
+                    Some(&target.amqp),
+                    Some(&target.mongodb),
+                )
+                .await;
+            }
+            1 => {
+                target.amqp.set(Fault::Cut);
+                faults.push(format!("rabbitmq cut {}", target.name));
+                tokio::time::sleep(secs(3)).await;
+                target.amqp.set(Fault::Forward);
+            }
+            _ => {
+                target.mongodb.set(Fault::Cut);
+                faults.push(format!("mongodb cut {}", target.name));
+                tokio::time::sleep(secs(3)).await;
+                target.mongodb.set(Fault::Forward);
+            }
+        }
+    }
+    assert!(
+        empty(&env, secs(120)).await,
+        "every record sent and removed after the faults"
+    );
+    for s in fleet {
+        lease_lost += s.daemon.idle_metric(LEASE_LOST).await;
+        s.daemon.stop().await;
+    }
+    counter.settle(secs(2)).await;
+
+    let first = counter.first_seen();
+    let mut late: Vec<i64> = first
+        .iter()
+        .filter_map(|(id, t)| {
+            let got = t.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as i64;
+            Some(got - due_of.get(id)?)
+        })
+        .collect();
+    late.sort_unstable();
+    let pct = |p: f64| late[((late.len() - 1) as f64 * p) as usize];
+    let lost = n - first.len();
+    let duplicates = audit("soak", &ids, &counter, lease_lost, &killed_held);
+    println!(
+        "SOAK records={n} span_s={} faults={} lost={lost} duplicates={duplicates} lease_lost={lease_lost} killed_held={} lateness_ms_p50={} p99={} max={} seed={seed}",
+        span_ms / 1_000,
+        faults.len(),
+        killed_held.len(),
+        pct(0.5),
+        pct(0.99),
+        late.last().copied().unwrap_or(0),
+    );
+    println!("SOAK faults: {}", faults.join(", "));
+    counter.close().await;
+    env.cleanup().await;
+}

@@ -260,6 +260,8 @@ pub fn series(metrics: &str, name: &str) -> f64 {
 #[derive(Default)]
 struct Tally {
     per_id: HashMap<String, usize>,
+    /// When each record was first delivered (wall clock).
+    first: HashMap<String, std::time::SystemTime>,
     total: usize,
     without_id: usize,
     last: Option<Instant>,
@@ -306,7 +308,12 @@ impl DeliveryCounter {
                 t.total += 1;
                 t.last = Some(Instant::now());
                 match id {
-                    Some(id) => *t.per_id.entry(id).or_default() += 1,
+                    Some(id) => {
+                        t.first
+                            .entry(id.clone())
+                            .or_insert_with(std::time::SystemTime::now);
+                        *t.per_id.entry(id).or_default() += 1;
+                    }
                     None => t.without_id += 1,
                 }
             }
@@ -347,6 +354,11 @@ impl DeliveryCounter {
             .get(&id.to_string())
             .copied()
             .unwrap_or(0)
+    }
+
+    /// When each record was first delivered.
+    pub fn first_seen(&self) -> HashMap<String, std::time::SystemTime> {
+        self.tally.lock().unwrap().first.clone()
     }
 
     /// Deliveries per record.
