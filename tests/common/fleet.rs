@@ -84,11 +84,19 @@ impl Daemon {
         tokio::spawn(async move {
             let mut tx = Some(tx);
             while let Ok(Some(line)) = lines.next_line().await {
-                if let Some((_, rest)) = line.split_once("addr=") {
-                    let addr: String = rest.chars().take_while(|c| !c.is_whitespace()).collect();
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr);
-                    }
+                // Text logs say addr=HOST:PORT; JSON logs say "addr":"HOST:PORT".
+                let addr = line
+                    .split_once("addr=")
+                    .or_else(|| line.split_once("\"addr\":\""))
+                    .map(|(_, rest)| {
+                        rest.chars()
+                            .take_while(|c| !c.is_whitespace() && *c != '"')
+                            .collect::<String>()
+                    });
+                if let Some(addr) = addr
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(addr);
                 }
                 kept.lock().unwrap().push(line);
             }
