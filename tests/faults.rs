@@ -9,7 +9,7 @@
 //!   instances, scraped before each one stops) or is explained by a record that a killed
 //!   instance held when it died (one extra delivery each).
 //!
-//! Faults hit one instance through its own proxies ([`FaultProxy`]); the others talk to the
+//! Faults hit one instance through its own proxies ([`Proxy`]); the others talk to the
 //! services directly. Each test prints one `FAULTS` line with its numbers (`--nocapture`).
 
 mod common;
@@ -19,10 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, doc};
-use common::fleet::{
-    Daemon, DeliveryCounter, Fault, FaultProxy, http_get, idle_metrics, series, vars,
-};
-use common::proxy::host_port;
+use common::fleet::{Daemon, DeliveryCounter, http_get, idle_metrics, series, vars};
+use common::proxy::{Mode, Proxy, host_port};
 use common::*;
 use futures::TryStreamExt;
 use timeoutd::clock::ServerClock;
@@ -52,8 +50,8 @@ async fn spawn(
     name: &str,
     env: &TestEnv,
     config: &Config,
-    amqp: Option<&FaultProxy>,
-    mongodb: Option<&FaultProxy>,
+    amqp: Option<&Proxy>,
+    mongodb: Option<&Proxy>,
 ) -> Daemon {
     let mut c = config.clone();
     if let Some(p) = amqp {
@@ -70,8 +68,8 @@ async fn spawn(
     Daemon::spawn(name, vars(env, &c)).await
 }
 
-async fn amqp_proxy(initial: Fault) -> FaultProxy {
-    FaultProxy::start(&host_port(&amqp_uri()), initial).await
+async fn amqp_proxy(initial: Mode) -> Proxy {
+    Proxy::start_in(&host_port(&amqp_uri()), initial).await
 }
 
 fn uuid_of(b: Option<&Bson>) -> Option<Uuid> {
@@ -197,7 +195,7 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
     let ids = env.insert_due(n).await;
     let counter = DeliveryCounter::start(&env.queue).await;
     let config = fleet_config(&env, secs(4), 100);
-    let proxy_a = amqp_proxy(Fault::Forward).await;
+    let proxy_a = amqp_proxy(Mode::Forward).await;
     let mut a = spawn("a", &env, &config, Some(&proxy_a), None).await;
     let b = spawn("b", &env, &config, None, None).await;
     let c = spawn("c", &env, &config, None, None).await;
@@ -210,7 +208,7 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
     // it is caught holding records whose messages were delivered but that it did not delete.
     // Caught means: some of what a holds was delivered, and a still holds the same records a
     // moment later (a batch whose confirms all came back would be deleted by then).
-    proxy_a.set(Fault::HoldReplies);
+    proxy_a.set(Mode::HoldReplies);
     let mut held_before_kill = BTreeSet::new();
     let deadline = tokio::time::Instant::now() + secs(30);
     while held_before_kill.is_empty() && tokio::time::Instant::now() < deadline {
@@ -233,9 +231,9 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
     a.kill9().await;
     let at_kill = leased(&env).await;
     // The dead process's bytes never reach the broker.
-    proxy_a.set(Fault::Cut);
+    proxy_a.set(Mode::Cut);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    proxy_a.set(Fault::Forward);
+    proxy_a.set(Mode::Forward);
     let a2 = spawn("a2", &env, &config, Some(&proxy_a), None).await;
     assert!(a2.ready_is(200, secs(30)).await, "the restarted a is ready");
 
@@ -285,11 +283,11 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
 /// and restored some seconds later. `before_cut` decides where the batch is when the cut
 /// comes: `Stall` (still on the way to the broker) or `HoldReplies` (routed by the broker,
 /// the confirms on their way back).
-async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str) -> usize {
+async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Mode, scenario: &str) -> usize {
     let env = TestEnv::new().await;
     let n = 1_000;
     let config = fleet_config(&env, secs(15), 100);
-    let proxy_a = amqp_proxy(Fault::Forward).await;
+    let proxy_a = amqp_proxy(Mode::Forward).await;
     let a = spawn("a", &env, &config, Some(&proxy_a), None).await;
     assert!(a.ready_is(200, secs(30)).await);
     let counter = DeliveryCounter::start(&env.queue).await;
@@ -302,7 +300,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str
     );
     // It stays that way: the batch is stuck in its publish.
     let held_by_a = held_by(&env, &a).await;
-    if before_cut == Fault::HoldReplies {
+    if before_cut == Mode::HoldReplies {
         assert!(
             eventually(secs(30), || async {
                 let counts = counter.counts();
@@ -327,7 +325,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str
         held_by_a.iter().all(|id| leases.contains_key(id)),
         "nobody took a's live leases"
     );
-    if before_cut == Fault::Stall {
+    if before_cut == Mode::Stall {
         let counts = counter.counts();
         assert!(
             held_by_a.iter().all(|id| !counts.contains_key(id)),
@@ -335,7 +333,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str
         );
     }
 
-    proxy_a.set(Fault::Cut);
+    proxy_a.set(Mode::Cut);
     assert!(
         a.logged("publish outcome unknown; releasing", secs(40))
             .await,
@@ -343,7 +341,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str
     );
     assert!(empty(&env, secs(30)).await, "a peer sent a's batch");
     tokio::time::sleep(secs(2)).await;
-    proxy_a.set(Fault::Forward);
+    proxy_a.set(Mode::Forward);
     assert!(a.ready_is(200, secs(40)).await, "a reconnects");
 
     // With the peers gone, a alone sends a second wave: it works again.
@@ -384,7 +382,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Fault, scenario: &str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_cut_before_the_batch_reaches_the_broker() {
     let duplicates =
-        rabbitmq_cut_in_the_middle_of_a_batch(Fault::Stall, "rabbitmq cut, batch unsent").await;
+        rabbitmq_cut_in_the_middle_of_a_batch(Mode::Stall, "rabbitmq cut, batch unsent").await;
     assert_eq!(
         duplicates, 0,
         "nothing reached the broker before the cut and no lease ran out: exactly once"
@@ -396,7 +394,7 @@ async fn rabbitmq_cut_before_the_batch_reaches_the_broker() {
 // timeoutd_lease_lost_total (this test found it uncounted once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_cut_after_the_broker_routed_the_batch() {
-    rabbitmq_cut_in_the_middle_of_a_batch(Fault::HoldReplies, "rabbitmq cut, batch routed").await;
+    rabbitmq_cut_in_the_middle_of_a_batch(Mode::HoldReplies, "rabbitmq cut, batch routed").await;
 }
 
 /// Scenario 3, set up: instance `a` has published a batch and had it confirmed, and its
@@ -407,7 +405,7 @@ struct MongoCut {
     counter: DeliveryCounter,
     a: Daemon,
     b: Daemon,
-    proxy_mongo: FaultProxy,
+    proxy_mongo: Proxy,
     owner: Uuid,
 }
 
@@ -417,12 +415,12 @@ async fn cut_mongodb_between_publish_and_delete(lease: Duration) -> MongoCut {
     let env = TestEnv::new().await;
     let n = 300;
     let config = fleet_config(&env, lease, 500);
-    let proxy_amqp = amqp_proxy(Fault::Forward).await;
-    let proxy_mongo = FaultProxy::start(&host_port(&mongo_uri()), Fault::Forward).await;
+    let proxy_amqp = amqp_proxy(Mode::Forward).await;
+    let proxy_mongo = Proxy::start_in(&host_port(&mongo_uri()), Mode::Forward).await;
     let a = spawn("a", &env, &config, Some(&proxy_amqp), Some(&proxy_mongo)).await;
     assert!(a.ready_is(200, secs(30)).await);
     let counter = DeliveryCounter::start(&env.queue).await;
-    proxy_amqp.set(Fault::HoldReplies);
+    proxy_amqp.set(Mode::HoldReplies);
     let ids = env.insert_due(n).await;
     let owner = one_batch_held_by(&env, &a, n).await;
     assert!(
@@ -432,8 +430,8 @@ async fn cut_mongodb_between_publish_and_delete(lease: Duration) -> MongoCut {
     let b = spawn("b", &env, &config, None, None).await;
     assert!(b.ready_is(200, secs(30)).await);
 
-    proxy_mongo.set(Fault::Cut);
-    proxy_amqp.set(Fault::Forward);
+    proxy_mongo.set(Mode::Cut);
+    proxy_amqp.set(Mode::Forward);
     // a has its confirms; its delete cannot reach MongoDB.
     assert!(
         a.logged("removing sent records failed", secs(30)).await,
@@ -472,7 +470,7 @@ async fn mongodb_cut_between_publish_and_delete_restored_within_the_lease() {
         "the sent records stay, leased to a"
     );
     assert_eq!(counter.total(), n, "b sent none of them");
-    proxy_mongo.set(Fault::Forward);
+    proxy_mongo.set(Mode::Forward);
     assert!(
         empty(&env, secs(40)).await,
         "a deletes once MongoDB is back"
@@ -509,7 +507,7 @@ async fn mongodb_cut_between_publish_and_delete_outlasting_the_lease() {
         counter.total()
     );
     assert!(empty(&env, secs(30)).await, "b removed them");
-    proxy_mongo.set(Fault::Forward);
+    proxy_mongo.set(Mode::Forward);
     assert!(
         eventually(secs(40), || async {
             a.metric(LEASE_LOST).await >= n as f64
@@ -537,7 +535,7 @@ async fn rabbitmq_unreachable_at_start() {
     let ids = env.insert_due(n).await;
     let counter = DeliveryCounter::start(&env.queue).await;
     let config = fleet_config(&env, secs(30), 100);
-    let proxies = [amqp_proxy(Fault::Cut).await, amqp_proxy(Fault::Cut).await];
+    let proxies = [amqp_proxy(Mode::Cut).await, amqp_proxy(Mode::Cut).await];
     let a = spawn("a", &env, &config, Some(&proxies[0]), None).await;
     let b = spawn("b", &env, &config, Some(&proxies[1]), None).await;
     for d in [&a, &b] {
@@ -565,7 +563,7 @@ async fn rabbitmq_unreachable_at_start() {
     assert_eq!(counter.total(), 0);
 
     for p in &proxies {
-        p.set(Fault::Forward);
+        p.set(Mode::Forward);
     }
     for d in [&a, &b] {
         assert!(d.ready_is(200, secs(60)).await, "{} ready", d.name);
@@ -700,12 +698,12 @@ async fn a_skewed_clock_steals_no_lease() {
     let n = 300;
     let mut config = fleet_config(&env, secs(60), 500);
     config.rabbitmq.publish_timeout = secs(45);
-    let proxy_a = amqp_proxy(Fault::Forward).await;
+    let proxy_a = amqp_proxy(Mode::Forward).await;
     let a = spawn("a", &env, &config, Some(&proxy_a), None).await;
     assert!(a.ready_is(200, secs(30)).await);
     let counter = DeliveryCounter::start(&env.queue).await;
     // a holds one batch, its publish stalled, its lease a minute long.
-    proxy_a.set(Fault::Stall);
+    proxy_a.set(Mode::Stall);
     let mut ids = env.insert_due(n).await;
     let owner = one_batch_held_by(&env, &a, n).await;
     let before = leased(&env).await;
@@ -764,7 +762,7 @@ async fn a_skewed_clock_steals_no_lease() {
         "none of a's records was sent by b"
     );
 
-    proxy_a.set(Fault::Forward);
+    proxy_a.set(Mode::Forward);
     ids.extend(extra);
     assert!(counter.wait_distinct(ids.len(), secs(60)).await);
     assert!(empty(&env, secs(30)).await);
@@ -795,11 +793,11 @@ async fn a_stalled_publish_outliving_its_lease_is_counted() {
     let n = 300;
     let mut config = fleet_config(&env, secs(3), 500);
     config.rabbitmq.publish_timeout = secs(20);
-    let proxy_a = amqp_proxy(Fault::Forward).await;
+    let proxy_a = amqp_proxy(Mode::Forward).await;
     let a = spawn("a", &env, &config, Some(&proxy_a), None).await;
     assert!(a.ready_is(200, secs(30)).await);
     let counter = DeliveryCounter::start(&env.queue).await;
-    proxy_a.set(Fault::Stall);
+    proxy_a.set(Mode::Stall);
     let ids = env.insert_due(n).await;
     one_batch_held_by(&env, &a, n).await;
     // The peer's own leases are long: only a's can run out.
@@ -810,7 +808,7 @@ async fn a_stalled_publish_outliving_its_lease_is_counted() {
     );
     assert!(empty(&env, secs(30)).await, "and removed them");
 
-    proxy_a.set(Fault::Forward);
+    proxy_a.set(Mode::Forward);
     assert!(
         counter.wait_total(2 * n, secs(30)).await,
         "a's stalled publishes arrive late"
@@ -879,8 +877,8 @@ fn env_number(name: &str, default: u64) -> u64 {
 struct SoakInstance {
     name: String,
     daemon: Daemon,
-    amqp: FaultProxy,
-    mongodb: FaultProxy,
+    amqp: Proxy,
+    mongodb: Proxy,
 }
 
 /// The soak: `TIMEOUTD_SOAK_RECORDS` (default 100,000) records due uniformly over
@@ -925,8 +923,8 @@ async fn soak_with_random_kills_and_cuts() {
 
     let mut fleet = Vec::new();
     for name in ["a", "b", "c"] {
-        let amqp = amqp_proxy(Fault::Forward).await;
-        let mongodb = FaultProxy::start(&host_port(&mongo_uri()), Fault::Forward).await;
+        let amqp = amqp_proxy(Mode::Forward).await;
+        let mongodb = Proxy::start_in(&host_port(&mongo_uri()), Mode::Forward).await;
         let daemon = spawn(name, &env, &config, Some(&amqp), Some(&mongodb)).await;
         fleet.push(SoakInstance {
             name: name.into(),
@@ -962,16 +960,16 @@ async fn soak_with_random_kills_and_cuts() {
                 .await;
             }
             1 => {
-                target.amqp.set(Fault::Cut);
+                target.amqp.set(Mode::Cut);
                 faults.push(format!("rabbitmq cut {}", target.name));
                 tokio::time::sleep(secs(3)).await;
-                target.amqp.set(Fault::Forward);
+                target.amqp.set(Mode::Forward);
             }
             _ => {
-                target.mongodb.set(Fault::Cut);
+                target.mongodb.set(Mode::Cut);
                 faults.push(format!("mongodb cut {}", target.name));
                 tokio::time::sleep(secs(3)).await;
-                target.mongodb.set(Fault::Forward);
+                target.mongodb.set(Mode::Forward);
             }
         }
     }

@@ -3,11 +3,9 @@
 //! - [`Daemon`]: the real binary spawned with `TIMEOUTD_*` variables, its stderr kept line by
 //!   line, its HTTP address read from the start-up log; SIGTERM, SIGKILL, `/metrics` scrapes.
 //! - [`DeliveryCounter`]: a consumer that counts deliveries per `TimeoutId` header.
-//! - [`FaultProxy`]: a TCP proxy whose two directions fail separately, so that a request can
-//!   reach a service while its reply is held back (a publish routed but not yet confirmed).
+//! - The proxies between an instance and its services are [`super::proxy::Proxy`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::SocketAddr;
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,9 +15,7 @@ use lapin::options::BasicConsumeOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
 use timeoutd::config::Config;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use uuid::Uuid;
 
 use super::{TestEnv, amqp_uri, eventually};
@@ -404,119 +400,5 @@ impl DeliveryCounter {
 
     pub async fn close(self) {
         let _ = self.conn.close(200, "done".into()).await;
-    }
-}
-
-/// What a [`FaultProxy`] does to the bytes of its connections.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// Both directions flow.
-    Forward,
-    /// Client to server flows; server to client is held back. The service acts on every
-    /// request (a publish is routed) and the client hears nothing (no confirm).
-    HoldReplies,
-    /// Nothing flows; connections stay open and bytes are held.
-    Stall,
-    /// Every connection is closed (held bytes dropped) and new ones are refused.
-    Cut,
-}
-
-/// A TCP proxy on 127.0.0.1 for one instance's link to a service.
-pub struct FaultProxy {
-    pub addr: SocketAddr,
-    fault: Arc<watch::Sender<Fault>>,
-}
-
-impl FaultProxy {
-    /// Proxies to `target` (host:port), starting in `initial`.
-    pub async fn start(target: &str, initial: Fault) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let addr = listener.local_addr().unwrap();
-        let fault = Arc::new(watch::channel(initial).0);
-        let f = fault.clone();
-        let target = target.to_string();
-        tokio::spawn(async move {
-            loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    return;
-                };
-                if *f.borrow() == Fault::Cut {
-                    drop(client);
-                    continue;
-                }
-                let Ok(server) = TcpStream::connect(&target).await else {
-                    continue;
-                };
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, f.subscribe(), false));
-                tokio::spawn(pipe(sr, cw, f.subscribe(), true));
-            }
-        });
-        Self { addr, fault }
-    }
-
-    pub fn set(&self, fault: Fault) {
-        self.fault.send_replace(fault);
-    }
-
-    /// `scheme://user:pass@host:port/rest` with host:port replaced by the proxy.
-    pub fn rewrite(&self, uri: &str) -> String {
-        let (scheme, rest) = uri.split_once("://").expect("uri with scheme");
-        let (auth, tail) = match rest.find(['/', '?']) {
-            Some(i) => rest.split_at(i),
-            None => (rest, ""),
-        };
-        let creds = auth.rfind('@').map(|i| &auth[..=i]).unwrap_or("");
-        format!("{scheme}://{creds}{}{tail}", self.addr)
-    }
-}
-
-/// Copies one direction. `replies`: this is the server-to-client direction.
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut fault: watch::Receiver<Fault>,
-    replies: bool,
-) {
-    let held = |f: Fault| match f {
-        Fault::Forward => false,
-        Fault::HoldReplies => replies,
-        Fault::Stall | Fault::Cut => true,
-    };
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = tokio::select! {
-            r = from.read(&mut buf) => match r { Ok(0) | Err(_) => return, Ok(n) => n },
-            _ = cut(&mut fault) => return,
-        };
-        loop {
-            let now = *fault.borrow_and_update();
-            if now == Fault::Cut {
-                return;
-            }
-            if !held(now) {
-                break;
-            }
-            if fault.changed().await.is_err() {
-                return;
-            }
-        }
-        tokio::select! {
-            r = to.write_all(&buf[..n]) => if r.is_err() { return },
-            _ = cut(&mut fault) => return,
-        }
-    }
-}
-
-/// Resolves when the proxy is cut (never, if the proxy is gone).
-async fn cut(fault: &mut watch::Receiver<Fault>) {
-    loop {
-        if *fault.borrow_and_update() == Fault::Cut {
-            return;
-        }
-        if fault.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
     }
 }
