@@ -947,10 +947,13 @@ async fn soak_with_random_kills_and_cuts() {
         let target = &mut fleet[i];
         match rng.random_range(0..3) {
             0 => {
-                // What it held may be delivered once more by a peer.
-                killed_held.extend(held_by(&env, &target.daemon).await);
                 lease_lost += target.daemon.metric(LEASE_LOST).await;
                 target.daemon.kill9().await;
+                // What it held when it died may be delivered once more by a peer. Read after
+                // the kill (its leases outlive it), once its last log lines (the owners of its
+                // claims) are in.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                killed_held.extend(held_by(&env, &target.daemon).await);
                 faults.push(format!("kill -9 {}", target.name));
                 tokio::time::sleep(secs(2)).await;
                 target.daemon = spawn(
