@@ -8,10 +8,11 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use bson::{Bson, Document};
 use tokio::sync::Notify;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -23,7 +24,7 @@ use crate::metrics as m;
 use crate::parking::{ParkReason, Parked};
 use crate::publisher::{Publisher, SendOutcome};
 use crate::record::{TimeoutRecord, display_id};
-use crate::store::{Claim, Store};
+use crate::store::{Claim, Store, StoreError};
 
 /// A claimed record ready to send: its `_id`, the stored document, the decoded record and
 /// the lease of the claim that took it.
@@ -60,6 +61,12 @@ impl Failure {
 /// While the next wave is at least this far off, the records confirmed so far are removed
 /// instead of waiting for the end of the batch.
 const REMOVE_WHEN_IDLE_MS: u64 = 20;
+
+/// Confirmed records are removed once this many have gathered.
+const REMOVE_BATCH: usize = 100;
+
+/// Most background removals at once.
+const MAX_REMOVALS: usize = 4;
 
 /// The dispatch loop's state. One per process.
 #[derive(Debug)]
@@ -130,12 +137,15 @@ impl Dispatcher {
             self.health.set_up(m::MONGODB, true);
             m::claim_duration(started.elapsed());
             let claimed = claim.rows.len();
-            let more = claim.more;
+            let mut next_poll = if claim.more {
+                Instant::now()
+            } else {
+                started + d.poll_interval
+            };
             if claimed > 0 {
                 tracing::debug!(owner = %claim.lease.owner, claimed, "claimed batch");
                 m::claimed(claimed);
-                m::leases_held(claimed);
-                self.process(claim).await;
+                self.process(claim, &mut next_poll).await;
                 m::leases_held(0);
             }
             self.health.poll_completed();
@@ -147,13 +157,11 @@ impl Dispatcher {
                 continue;
             }
             backoff.reset();
-            // Poll every poll_interval (counted from this claim), or at once while more is due,
+            // Poll every poll_interval (counted from the claim), at once while more is due,
             // or when a record was inserted due sooner.
-            if !more {
-                tokio::select! {
-                    _ = self.pause(d.poll_interval.saturating_sub(started.elapsed())) => {}
-                    _ = self.wake.notified() => {}
-                }
+            tokio::select! {
+                _ = self.pause(next_poll.saturating_duration_since(Instant::now())) => {}
+                _ = self.wake.notified() => {}
             }
         }
         self.publisher.close().await;
@@ -171,39 +179,74 @@ impl Dispatcher {
     /// Sends one claimed batch, each record at its due instant, and settles every row of it.
     ///
     /// Records already due go out at once, pipelined; records claimed ahead (look-ahead) are
-    /// sent in waves as they fall due, from a timer, while their lease holds. A record
-    /// inserted due sooner than the next wave (change stream) is claimed at once and joins
-    /// the waves. Confirmed records are removed when the batch is done, or earlier whenever
-    /// the next wave is far enough off.
-    async fn process(&mut self, claim: Claim) {
-        let margin = self.config.dispatch.lease_safety_margin;
+    /// sent in waves as they fall due, from a timer, while their lease holds. Meanwhile the
+    /// next claims run in the background, at `next_poll` (at once while more is due, or when
+    /// the change stream saw a record inserted due soon), and join the waves; confirmed
+    /// records are removed in the background too, so neither stalls the waves. Returns when
+    /// nothing is pending and no claim is running.
+    async fn process(&mut self, claim: Claim, next_poll: &mut Instant) {
+        let d = self.config.dispatch.clone();
+        let margin = d.lease_safety_margin;
         let mut pending: VecDeque<Ready> = VecDeque::new();
         self.take_rows(claim, &mut pending).await;
         let mut confirmed: Vec<Sent> = Vec::new();
         let mut failed: Vec<(Bson, Lease)> = Vec::new();
-        while let Some(next) = pending.front() {
+        let mut removals: JoinSet<()> = JoinSet::new();
+        let mut claiming: Option<JoinHandle<(Instant, Result<Claim, StoreError>)>> = None;
+        loop {
+            m::leases_held(pending.len());
+            let stopping = self.shutdown.is_cancelled();
+            if claiming.is_none() && !stopping && Instant::now() >= *next_poll {
+                let store = self.store.clone();
+                let (batch, lease, ahead) = (d.batch_size, d.lock_lease, d.look_ahead());
+                claiming = Some(tokio::spawn(async move {
+                    let started = Instant::now();
+                    let claim = store.claim_window(batch, lease, ahead).await;
+                    if let Ok(c) = &claim
+                        && !c.rows.is_empty()
+                    {
+                        tracing::debug!(owner = %c.lease.owner, claimed = c.rows.len(), "claimed batch");
+                    }
+                    (started, claim)
+                }));
+            }
+            if confirmed.len() >= REMOVE_BATCH || (pending.is_empty() && !confirmed.is_empty()) {
+                self.spawn_removal(&mut removals, std::mem::take(&mut confirmed))
+                    .await;
+            }
+            let Some(next) = pending.front() else {
+                let Some(handle) = claiming.take_if(|_| !stopping) else {
+                    break;
+                };
+                let result = handle.await;
+                self.claimed_more(result, &mut pending, next_poll).await;
+                continue;
+            };
             let now = self.store.clock().now();
             let wait_ms = next.record.due.timestamp_millis() - now.timestamp_millis();
-            if wait_ms > 0 && !self.shutdown.is_cancelled() {
+            if wait_ms > 0 && !stopping {
                 if wait_ms as u64 >= REMOVE_WHEN_IDLE_MS && !confirmed.is_empty() {
-                    self.remove_confirmed(std::mem::take(&mut confirmed)).await;
-                    continue;
+                    self.spawn_removal(&mut removals, std::mem::take(&mut confirmed))
+                        .await;
                 }
                 let wait = Duration::from_millis(wait_ms as u64);
                 self.health.waiting(wait);
-                let woken = tokio::select! {
-                    _ = self.pause(wait) => false,
-                    _ = self.wake.notified() => true,
-                };
-                if woken {
-                    self.claim_more(&mut pending).await;
+                let until_poll = next_poll.saturating_duration_since(Instant::now());
+                tokio::select! {
+                    _ = self.pause(wait) => {}
+                    _ = self.wake.notified() => *next_poll = Instant::now(),
+                    _ = tokio::time::sleep(until_poll), if claiming.is_none() => {}
+                    result = async { claiming.as_mut().expect("guarded").await }, if claiming.is_some() => {
+                        claiming = None;
+                        self.claimed_more(result, &mut pending, next_poll).await;
+                    }
                 }
                 continue;
             }
-            if self.shutdown.is_cancelled() {
+            if stopping {
                 let held: Vec<(Bson, Lease)> = pending.drain(..).map(|r| (r.id, r.lease)).collect();
                 self.release_each(held, "shutdown").await;
-                break;
+                continue;
             }
             let due_now = pending.iter().take_while(|r| r.record.due <= now).count();
             let (wave, too_late): (Vec<Ready>, Vec<Ready>) = pending
@@ -218,8 +261,69 @@ impl Dispatcher {
                 self.send_wave(wave, &mut confirmed, &mut failed).await;
             }
         }
-        self.remove_confirmed(confirmed).await;
+        if let Some(handle) = claiming.take() {
+            // Shutdown came while a claim ran: free whatever it took.
+            if let Ok((_, Ok(claim))) = handle.await {
+                let held = claim
+                    .rows
+                    .into_iter()
+                    .map(|r| (r.id, claim.lease))
+                    .collect();
+                self.release_each(held, "shutdown").await;
+            }
+        }
+        self.spawn_removal(&mut removals, confirmed).await;
+        while removals.join_next().await.is_some() {}
         self.release_each(failed, "publish_failed").await;
+    }
+
+    /// Takes in the result of a background claim.
+    async fn claimed_more(
+        &mut self,
+        result: Result<(Instant, Result<Claim, StoreError>), tokio::task::JoinError>,
+        pending: &mut VecDeque<Ready>,
+        next_poll: &mut Instant,
+    ) {
+        let poll = self.config.dispatch.poll_interval;
+        match result {
+            Ok((started, Ok(claim))) => {
+                self.health.set_up(m::MONGODB, true);
+                m::claim_duration(started.elapsed());
+                self.health.poll_completed();
+                *next_poll = if claim.more {
+                    Instant::now()
+                } else {
+                    started + poll
+                };
+                if !claim.rows.is_empty() {
+                    m::claimed(claim.rows.len());
+                    self.take_rows(claim, pending).await;
+                }
+            }
+            Ok((_, Err(e))) => {
+                self.health.set_up(m::MONGODB, false);
+                tracing::warn!(error = %e, "claim failed; trying again at the next poll");
+                *next_poll = Instant::now() + poll;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "claim task failed");
+                *next_poll = Instant::now() + poll;
+            }
+        }
+    }
+
+    /// Removes confirmed records in the background (at most `MAX_REMOVALS` at once), one
+    /// guarded `deleteMany` per claim.
+    async fn spawn_removal(&self, removals: &mut JoinSet<()>, confirmed: Vec<Sent>) {
+        for (lease, batch) in by_lease(confirmed, |(_, _, l)| *l) {
+            while removals.len() >= MAX_REMOVALS {
+                removals.join_next().await;
+            }
+            let batch: Vec<(Bson, TimeoutRecord)> =
+                batch.into_iter().map(|(id, r, _)| (id, r)).collect();
+            let (store, health) = (self.store.clone(), self.health.clone());
+            removals.spawn(async move { remove_held(&store, &health, &batch, &lease).await });
+        }
     }
 
     /// Parks a claim's poison rows and queues the rest, in due order.
@@ -252,25 +356,6 @@ impl Dispatcher {
         pending
             .make_contiguous()
             .sort_by_key(|r| r.record.due.timestamp_millis());
-    }
-
-    /// Claims what fell due in the look-ahead since the batch was claimed (records inserted
-    /// due soon) and merges it into the waves. A failure leaves them for the next poll.
-    async fn claim_more(&mut self, pending: &mut VecDeque<Ready>) {
-        let d = &self.config.dispatch;
-        match self
-            .store
-            .claim_window(d.batch_size, d.lock_lease, d.look_ahead())
-            .await
-        {
-            Ok(claim) if !claim.rows.is_empty() => {
-                tracing::debug!(owner = %claim.lease.owner, claimed = claim.rows.len(), "claimed records inserted due soon");
-                m::claimed(claim.rows.len());
-                self.take_rows(claim, pending).await;
-            }
-            Ok(_) => {}
-            Err(e) => tracing::debug!(error = %e, "claim on wake failed; the next poll takes them"),
-        }
     }
 
     /// Publishes one wave pipelined and sorts the outcomes: confirmed records are collected
@@ -441,72 +526,6 @@ impl Dispatcher {
         stop
     }
 
-    /// Deletes the confirmed records under the owner guard, after checking that the lease
-    /// still holds. A shortfall is a lost lease: the message may be sent again by whoever
-    /// holds the record now.
-    async fn remove_confirmed(&self, confirmed: Vec<Sent>) {
-        for (lease, batch) in by_lease(confirmed, |(_, _, l)| *l) {
-            let batch: Vec<(Bson, TimeoutRecord)> =
-                batch.into_iter().map(|(id, r, _)| (id, r)).collect();
-            self.remove_held(&batch, &lease).await;
-        }
-    }
-
-    async fn remove_held(&self, confirmed: &[(Bson, TimeoutRecord)], lease: &Lease) {
-        if confirmed.is_empty() {
-            return;
-        }
-        let owner = lease.owner;
-        let ids: Vec<Bson> = confirmed.iter().map(|(id, _)| id.clone()).collect();
-        let mut backoff = Backoff::reconnect();
-        loop {
-            if !lease.is_live(self.store.clock().now()) {
-                for (_, r) in confirmed {
-                    tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
-                }
-                m::lease_lost(confirmed.len());
-                return;
-            }
-            match self.store.remove_held(&ids, owner).await {
-                Ok(deleted) => {
-                    m::removed(deleted as usize);
-                    let lost = ids.len().saturating_sub(deleted as usize);
-                    if lost > 0 {
-                        m::lease_lost(lost);
-                        self.report_lost(&ids, confirmed, owner).await;
-                    }
-                    return;
-                }
-                Err(e) => {
-                    self.health.set_up(m::MONGODB, false);
-                    let wait = backoff.next_delay();
-                    tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
-                    self.health.waiting(wait);
-                    tokio::time::sleep(wait.min(lease.remaining(self.store.clock().now()))).await;
-                }
-            }
-        }
-    }
-
-    /// Names the records a short delete did not remove.
-    async fn report_lost(
-        &self,
-        ids: &[Bson],
-        confirmed: &[(Bson, TimeoutRecord)],
-        owner: uuid::Uuid,
-    ) {
-        match self.store.existing(ids).await {
-            Ok(still_there) => {
-                for (_, r) in confirmed.iter().filter(|(id, _)| still_there.contains(id)) {
-                    tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
-                }
-            }
-            Err(e) => {
-                tracing::warn!(%owner, error = %e, "lease lost on some sent records; could not name them")
-            }
-        }
-    }
-
     /// Frees records, each under the guard of its own claim's owner.
     async fn release_each(&self, held: Vec<(Bson, Lease)>, reason: &'static str) {
         for (lease, batch) in by_lease(held, |(_, l)| *l) {
@@ -529,6 +548,68 @@ impl Dispatcher {
             Err(e) => {
                 tracing::warn!(%owner, reason, records = ids.len(), error = %e, "release failed; the leases will expire and the reaper frees them")
             }
+        }
+    }
+}
+
+/// Deletes the confirmed records of one claim under its owner guard, after checking that the
+/// lease still holds; retries a failed delete while it does. A shortfall is a lost lease: the
+/// message may be sent again by whoever holds the record now.
+async fn remove_held(
+    store: &Store,
+    health: &Health,
+    confirmed: &[(Bson, TimeoutRecord)],
+    lease: &Lease,
+) {
+    if confirmed.is_empty() {
+        return;
+    }
+    let owner = lease.owner;
+    let ids: Vec<Bson> = confirmed.iter().map(|(id, _)| id.clone()).collect();
+    let mut backoff = Backoff::reconnect();
+    loop {
+        if !lease.is_live(store.clock().now()) {
+            for (_, r) in confirmed {
+                tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
+            }
+            m::lease_lost(confirmed.len());
+            return;
+        }
+        match store.remove_held(&ids, owner).await {
+            Ok(deleted) => {
+                m::removed(deleted as usize);
+                let lost = ids.len().saturating_sub(deleted as usize);
+                if lost > 0 {
+                    m::lease_lost(lost);
+                    report_lost(store, &ids, confirmed, owner).await;
+                }
+                return;
+            }
+            Err(e) => {
+                health.set_up(m::MONGODB, false);
+                let wait = backoff.next_delay();
+                tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
+                tokio::time::sleep(wait.min(lease.remaining(store.clock().now()))).await;
+            }
+        }
+    }
+}
+
+/// Names the records a short delete did not remove.
+async fn report_lost(
+    store: &Store,
+    ids: &[Bson],
+    confirmed: &[(Bson, TimeoutRecord)],
+    owner: uuid::Uuid,
+) {
+    match store.existing(ids).await {
+        Ok(still_there) => {
+            for (_, r) in confirmed.iter().filter(|(id, _)| still_there.contains(id)) {
+                tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(%owner, error = %e, "lease lost on some sent records; could not name them")
         }
     }
 }
