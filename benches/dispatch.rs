@@ -784,6 +784,7 @@ fn daemon_metrics(texts: &[String], wall_s: f64) -> Value {
         // Per instance: wall time not spent claiming or awaiting confirms (building messages,
         // the guarded deleteMany, pauses between polls, startup).
         "other_seconds_per_instance": wall_s - (claim_s + publish_s) / instances,
+        "other_ms_per_published_batch": per(wall_s * instances - claim_s - publish_s, publishes),
         "lateness_confirm_minus_due_ms_bucket_bounds": {
             "p50_at_most": bound_ms(0.5),
             "p99_at_most": bound_ms(0.99),
@@ -1088,7 +1089,14 @@ async fn scenario_baseline(ctx: &Ctx, scen: &Scen) -> Result<Row> {
         let s = stop.clone();
         tokio::spawn(async move { poller.run(s).await })
     };
-    let waited = counter.wait_for(n, || Ok(())).await;
+    let waited = counter
+        .wait_for(n, || {
+            if task.is_finished() {
+                bail!("the baseline poller stopped early");
+            }
+            Ok(())
+        })
+        .await;
     let emptied = match waited {
         Ok(()) => wait_empty(&scen.coll, Duration::from_secs(60)).await,
         Err(e) => Err(e),
@@ -1171,7 +1179,7 @@ async fn scenario_timeoutd_drain(
         seconds: Some(seconds),
         records_per_s: Some(n as f64 / seconds),
         duplicates: Some(received.duplicates),
-        peak_rss_mib: (key == "rss").then_some(peak),
+        peak_rss_mib: Some(peak),
         details: json!({
             "instances": instances,
             "insert_seconds": insert_s,
@@ -1230,9 +1238,10 @@ async fn scenario_lateness(ctx: &Ctx, scen: &Scen, timeoutd: bool) -> Result<Row
     }
     let outcome = async {
         counter
-            .wait_for(n, || match daemon.as_mut() {
-                Some(d) => d.check_alive(),
-                None => Ok(()),
+            .wait_for(n, || match (daemon.as_mut(), task.as_ref()) {
+                (Some(d), _) => d.check_alive(),
+                (None, Some(t)) if t.is_finished() => bail!("the baseline poller stopped early"),
+                _ => Ok(()),
             })
             .await?;
         wait_empty(&scen.coll, Duration::from_secs(60)).await
