@@ -168,6 +168,17 @@ pub struct DispatchConfig {
     pub lease_safety_margin: Duration,
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+    /// How far ahead a claim reaches: records due within it are held under the lease and
+    /// sent at their due instant. `poll_interval` when absent; `0s` turns it off.
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub look_ahead: Option<Duration>,
+}
+
+impl DispatchConfig {
+    /// The effective look-ahead.
+    pub fn look_ahead(&self) -> Duration {
+        self.look_ahead.unwrap_or(self.poll_interval)
+    }
 }
 
 impl Default for DispatchConfig {
@@ -178,6 +189,7 @@ impl Default for DispatchConfig {
             lock_lease: Duration::from_secs(300),
             lease_safety_margin: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(20),
+            look_ahead: None,
         }
     }
 }
@@ -435,12 +447,13 @@ impl Config {
         if r.max_attempts == 0 {
             bad("retry.max_attempts", "must be at least 1".into());
         }
-        if d.lock_lease <= d.lease_safety_margin + d.poll_interval {
+        let needed = d.lease_safety_margin + d.poll_interval + d.look_ahead();
+        if d.lock_lease <= needed {
             bad(
                 "dispatch.lock_lease",
                 format!(
-                    "must be larger than dispatch.lease_safety_margin + dispatch.poll_interval ({})",
-                    humantime::format_duration(d.lease_safety_margin + d.poll_interval)
+                    "must be larger than dispatch.lease_safety_margin + dispatch.poll_interval + dispatch.look_ahead ({})",
+                    humantime::format_duration(needed)
                 ),
             );
         }

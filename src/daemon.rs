@@ -159,11 +159,12 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
 /// queries every [`MONITOR_INTERVAL`], independent of the poll rate. The clock was read just
 /// before this starts, so the first pass only reads the backlog.
 async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
+    let parking = store.parking();
     loop {
-        match store.stats().await {
-            Ok(s) => {
-                m::backlog(s.due, s.oldest_due_age_seconds);
-                m::parked_records(s.parked);
+        match tokio::try_join!(store.backlog(), parking.count()) {
+            Ok(((due, oldest), parked)) => {
+                m::backlog(due, oldest);
+                m::parked_records(parked);
             }
             Err(e) => tracing::debug!(error = %e, "backlog query failed"),
         }

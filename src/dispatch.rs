@@ -1,9 +1,12 @@
-//! The dispatch loop: claim a batch of due records, publish them pipelined, then remove what
-//! the broker confirmed (owner- and lease-guarded) and release what it did not.
+//! The dispatch loop: claim a batch of records due now or within the look-ahead, publish each
+//! at its due instant (those already due at once, pipelined), then remove what the broker
+//! confirmed (owner- and lease-guarded), retry or park what it refused, and release what
+//! could not be sent.
 //!
 //! Nothing is deleted unless its publish was confirmed and the claim's lease still held
 //! afterwards; when in doubt a record is left for a later poll.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -48,6 +51,10 @@ impl Failure {
     }
 }
 
+/// While the next wave is at least this far off, the records confirmed so far are removed
+/// instead of waiting for the end of the batch.
+const REMOVE_WHEN_IDLE_MS: u64 = 20;
+
 /// The dispatch loop's state. One per process.
 #[derive(Debug)]
 pub struct Dispatcher {
@@ -56,6 +63,9 @@ pub struct Dispatcher {
     publisher: Publisher,
     health: Arc<Health>,
     shutdown: CancellationToken,
+    /// The last batch had publishes whose outcome is unknown: back off before the next
+    /// claim, so that a link that withholds confirms does not resend the same records hot.
+    unconfirmed: bool,
 }
 
 impl Dispatcher {
@@ -72,6 +82,7 @@ impl Dispatcher {
             publisher,
             health,
             shutdown,
+            unconfirmed: false,
         }
     }
 
@@ -91,7 +102,11 @@ impl Dispatcher {
             }
             self.health.set_up(m::RABBITMQ, true);
             let started = std::time::Instant::now();
-            let claim = match self.store.claim(d.batch_size, d.lock_lease).await {
+            let claim = self
+                .store
+                .claim_window(d.batch_size, d.lock_lease, d.look_ahead())
+                .await;
+            let claim = match claim {
                 Ok(c) => c,
                 Err(e) => {
                     self.health.set_up(m::MONGODB, false);
@@ -104,8 +119,8 @@ impl Dispatcher {
             };
             self.health.set_up(m::MONGODB, true);
             m::claim_duration(started.elapsed());
-            backoff.reset();
             let claimed = claim.rows.len();
+            let more = claim.more;
             if claimed > 0 {
                 tracing::debug!(owner = %claim.lease.owner, claimed, "claimed batch");
                 m::claimed(claimed);
@@ -114,8 +129,18 @@ impl Dispatcher {
                 m::leases_held(0);
             }
             self.health.poll_completed();
-            if claimed < d.batch_size as usize {
-                self.pause(d.poll_interval).await;
+            if std::mem::take(&mut self.unconfirmed) {
+                let wait = backoff.next_delay();
+                tracing::warn!(retry_in = ?wait, "publishes went unconfirmed; backing off before the next claim");
+                self.health.waiting(wait);
+                self.pause(wait).await;
+                continue;
+            }
+            backoff.reset();
+            // Poll every poll_interval (counted from this claim), or at once while more is due.
+            if !more {
+                self.pause(d.poll_interval.saturating_sub(started.elapsed()))
+                    .await;
             }
         }
         self.publisher.close().await;
@@ -130,14 +155,17 @@ impl Dispatcher {
         }
     }
 
-    /// Publishes one claimed batch and settles every row of it.
+    /// Sends one claimed batch, each record at its due instant, and settles every row of it.
+    ///
+    /// Records already due go out at once, pipelined; records claimed ahead (look-ahead) are
+    /// sent in waves as they fall due, from a timer, while their lease holds. Confirmed
+    /// records are removed when the batch is done, or earlier whenever the next wave is far
+    /// enough off.
     async fn process(&mut self, claim: Claim) {
         let lease = claim.lease;
         let owner = lease.owner;
         let margin = self.config.dispatch.lease_safety_margin;
-        let now = self.store.clock().now();
-        let mut ready: Vec<Ready> = Vec::new();
-        let mut too_late: Vec<Bson> = Vec::new();
+        let mut pending: VecDeque<Ready> = VecDeque::new();
         for row in claim.rows {
             match row.record {
                 Err(e) => {
@@ -153,34 +181,73 @@ impl Dispatcher {
                     );
                     self.park(&row.id, &row.raw, "", owner, &failure).await;
                 }
-                Ok(record) => match lease.before_publish(now, margin) {
-                    PrePublish::Publish => ready.push(Ready {
-                        id: row.id,
-                        raw: row.raw,
-                        record,
-                    }),
-                    PrePublish::TooLittleLease => too_late.push(row.id),
-                },
+                Ok(record) => pending.push_back(Ready {
+                    id: row.id,
+                    raw: row.raw,
+                    record,
+                }),
             }
         }
-        if !too_late.is_empty() {
-            m::skipped("margin", too_late.len());
-            self.release(&too_late, owner, "margin").await;
-        }
-        if ready.is_empty() {
-            return;
-        }
-        if self.shutdown.is_cancelled() {
-            let ids: Vec<Bson> = ready.into_iter().map(|r| r.id).collect();
-            self.release(&ids, owner, "shutdown").await;
-            return;
-        }
+        // Rows come oldest first; keep the timer's order exact anyway.
+        pending
+            .make_contiguous()
+            .sort_by_key(|r| r.record.due.timestamp_millis());
 
+        let mut confirmed: Vec<(Bson, TimeoutRecord)> = Vec::new();
+        let mut failed: Vec<Bson> = Vec::new();
+        while let Some(next) = pending.front() {
+            let now = self.store.clock().now();
+            let wait_ms = next.record.due.timestamp_millis() - now.timestamp_millis();
+            if wait_ms > 0 && !self.shutdown.is_cancelled() {
+                if wait_ms as u64 >= REMOVE_WHEN_IDLE_MS && !confirmed.is_empty() {
+                    self.remove_confirmed(&std::mem::take(&mut confirmed), &lease)
+                        .await;
+                    continue;
+                }
+                let wait = Duration::from_millis(wait_ms as u64);
+                self.health.waiting(wait);
+                self.pause(wait).await;
+                continue;
+            }
+            if self.shutdown.is_cancelled() {
+                let ids: Vec<Bson> = pending.drain(..).map(|r| r.id).collect();
+                self.release(&ids, owner, "shutdown").await;
+                break;
+            }
+            if lease.before_publish(now, margin) == PrePublish::TooLittleLease {
+                let ids: Vec<Bson> = pending.drain(..).map(|r| r.id).collect();
+                m::skipped("margin", ids.len());
+                self.release(&ids, owner, "margin").await;
+                break;
+            }
+            let due_now = pending.iter().take_while(|r| r.record.due <= now).count();
+            let wave: Vec<Ready> = pending.drain(..due_now).collect();
+            self.send_wave(wave, owner, &mut confirmed, &mut failed)
+                .await;
+        }
+        self.remove_confirmed(&confirmed, &lease).await;
+        if !failed.is_empty() {
+            self.release(&failed, owner, "publish_failed").await;
+        }
+    }
+
+    /// Publishes one wave pipelined and sorts the outcomes: confirmed records are collected
+    /// for removal, refused ones retried or parked, failed ones collected for release.
+    async fn send_wave(
+        &mut self,
+        wave: Vec<Ready>,
+        owner: uuid::Uuid,
+        confirmed: &mut Vec<(Bson, TimeoutRecord)>,
+        failed: &mut Vec<Bson>,
+    ) {
         let sent_at = SystemTime::now();
-        let messages: Vec<_> = ready
+        let messages: Vec<_> = wave
             .iter()
             .map(|r| message::build(&r.record, &self.config.rabbitmq, sent_at))
             .collect();
+        if let Err(e) = self.publisher.connect().await {
+            tracing::debug!(error = %e, "RabbitMQ link down before a wave");
+        }
         let stop_waiting = self.confirm_deadline();
         // A wait bounded by publish_timeout is not a stall.
         self.health.waiting(self.config.rabbitmq.publish_timeout);
@@ -190,10 +257,8 @@ impl Dispatcher {
         m::publish_confirm(publish_started.elapsed());
 
         let confirmed_at = self.store.clock().now();
-        let mut confirmed: Vec<(Bson, TimeoutRecord)> = Vec::new();
         let mut refused: Vec<(Ready, SendOutcome)> = Vec::new();
-        let mut failed: Vec<Bson> = Vec::new();
-        for (r, outcome) in ready.into_iter().zip(outcomes) {
+        for (r, outcome) in wave.into_iter().zip(outcomes) {
             let Ready { id, record, .. } = &r;
             match outcome {
                 SendOutcome::Confirmed => {
@@ -205,6 +270,15 @@ impl Dispatcher {
                     m::publish_failure(outcome.reason());
                     refused.push((r, outcome));
                 }
+                other if other.outcome_unknown() => {
+                    // The broker may have it: releasing lets a peer send it again, a possible
+                    // duplicate, counted as a lost lease.
+                    tracing::warn!(timeout_id = %record.id, destination = %record.destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
+                    m::publish_failure(other.reason());
+                    m::lease_lost(1);
+                    self.unconfirmed = true;
+                    failed.push(id.clone());
+                }
                 other => {
                     tracing::warn!(timeout_id = %record.id, destination = %record.destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
                     m::publish_failure(other.reason());
@@ -212,12 +286,8 @@ impl Dispatcher {
                 }
             }
         }
-        self.remove_confirmed(&confirmed, &lease).await;
         for (r, outcome) in refused {
             self.retry_or_park(r, outcome, owner).await;
-        }
-        if !failed.is_empty() {
-            self.release(&failed, owner, "publish_failed").await;
         }
     }
 

@@ -111,17 +111,36 @@ pub fn claimable(now: DateTime) -> Document {
 
 /// Due at `now` and claimable at `now`.
 pub fn due_filter(now: DateTime, encoding: TimeEncoding) -> Document {
-    let mut f = due_by(now, encoding);
-    f.extend(claimable(now));
-    f
+    due_within(now, now, encoding)
 }
 
-/// The compare-and-swap claim: the due filter again, restricted to the candidates. Rows a
-/// racing worker took since the candidates were read no longer match and are skipped.
-pub fn claim_filter(now: DateTime, encoding: TimeEncoding, candidates: &[Bson]) -> Document {
-    let mut f = due_filter(now, encoding);
-    f.insert(field::ID, doc! { "$in": candidates });
-    f
+/// Due by `horizon` (`now` plus the look-ahead) and claimable at `now`: what a claim takes.
+/// Records due after `now` are held under the lease and sent at their due instant.
+pub fn due_within(now: DateTime, horizon: DateTime, encoding: TimeEncoding) -> Document {
+    all_of([due_by(horizon, encoding), claimable(now)])
+}
+
+/// The clauses joined by an explicit `$and`. The same query as one document of implicit
+/// clauses, but SecantusDB plans it differently: with the clauses in one document it scans
+/// the whole `"Time.0"` index (measured: 200 ms with 200k future records), with `$and` it
+/// stops at the bound (under 1 ms). MongoDB treats both forms alike.
+pub fn all_of<const N: usize>(clauses: [Document; N]) -> Document {
+    doc! { "$and": clauses.to_vec() }
+}
+
+/// The compare-and-swap claim: the claim's filter again, restricted to the candidates. Rows
+/// a racing worker took since the candidates were read no longer match and are skipped.
+pub fn claim_filter(
+    now: DateTime,
+    horizon: DateTime,
+    encoding: TimeEncoding,
+    candidates: &[Bson],
+) -> Document {
+    all_of([
+        doc! { field::ID: { "$in": candidates } },
+        due_by(horizon, encoding),
+        claimable(now),
+    ])
 }
 
 /// Takes a lease.
@@ -149,16 +168,12 @@ pub fn held_any(now: DateTime) -> Document {
 
 /// One record, if `owner` still holds it at `now`.
 pub fn held_one(id: &Bson, owner: Uuid, now: DateTime) -> Document {
-    let mut f = doc! { field::ID: id.clone() };
-    f.extend(held(owner, now));
-    f
+    all_of([doc! { field::ID: id.clone() }, held(owner, now)])
 }
 
 /// Several records, those of them that `owner` still holds at `now`.
 pub fn held_many(ids: &[Bson], owner: Uuid, now: DateTime) -> Document {
-    let mut f = doc! { field::ID: { "$in": ids } };
-    f.extend(held(owner, now));
-    f
+    all_of([doc! { field::ID: { "$in": ids } }, held(owner, now)])
 }
 
 /// Makes a record free again: the only shape ServiceConnect accepts for a free record.
@@ -231,10 +246,12 @@ mod tests {
     fn due_query_uses_the_ticks_element() {
         let now = DateTime::from_millis(1_767_225_600_000);
         let f = due_filter(now, TimeEncoding::DotnetTicks);
+        let clauses = f.get_array("$and").unwrap();
+        let due = clauses[0].as_document().unwrap();
         assert_eq!(
-            f.get_document("Time.0").unwrap().get_i64("$lte").unwrap(),
+            due.get_document("Time.0").unwrap().get_i64("$lte").unwrap(),
             639_028_224_000_000_000
         );
-        assert!(f.contains_key("$or"));
+        assert!(clauses[1].as_document().unwrap().contains_key("$or"));
     }
 }

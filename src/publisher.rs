@@ -38,10 +38,14 @@ pub enum SendOutcome {
     Returned,
     /// The broker nacked it.
     Nacked,
-    /// No confirm arrived before the publisher stopped waiting.
+    /// No confirm arrived before the publisher stopped waiting: the message may or may not
+    /// have been delivered.
     TimedOut,
-    /// The connection or channel failed; the message may or may not have been delivered.
+    /// The connection or channel failed after the message went out: it may or may not have
+    /// been delivered.
     Connection(String),
+    /// The connection was down before the message went out: it was not delivered.
+    NotSent(String),
 }
 
 impl SendOutcome {
@@ -52,8 +56,13 @@ impl SendOutcome {
             SendOutcome::Returned => "returned",
             SendOutcome::Nacked => "nacked",
             SendOutcome::TimedOut => "timeout",
-            SendOutcome::Connection(_) => "connection",
+            SendOutcome::Connection(_) | SendOutcome::NotSent(_) => "connection",
         }
+    }
+
+    /// Whether the broker may have delivered the message although no confirm says so.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, SendOutcome::TimedOut | SendOutcome::Connection(_))
     }
 }
 
@@ -179,7 +188,7 @@ impl Publisher {
         stop_waiting: &CancellationToken,
     ) -> Vec<SendOutcome> {
         let Some((_, channel)) = self.link.as_ref().filter(|_| self.is_connected()) else {
-            return vec![SendOutcome::Connection("not connected".into()); messages.len()];
+            return vec![SendOutcome::NotSent("not connected".into()); messages.len()];
         };
         let options = BasicPublishOptions {
             mandatory: true,
@@ -212,7 +221,7 @@ impl Publisher {
         let confirms = join_all(pending.into_iter().map(|p| async move {
             let confirm = match p {
                 Ok(c) => c,
-                Err(e) => return Err(SendOutcome::Connection(e)),
+                Err(e) => return Err(SendOutcome::NotSent(e)),
             };
             tokio::select! {
                 c = confirm => c.map_err(|e| SendOutcome::Connection(e.to_string())),
@@ -225,8 +234,15 @@ impl Publisher {
             .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
             .collect();
         let outcomes = settle(&ids, confirms);
-        if broken.is_some() || !self.is_connected() {
-            self.link = None;
+        // A link that lost or withheld a confirm is suspect: the next batch opens a new one.
+        let suspect = broken.is_some()
+            || !self.is_connected()
+            || outcomes.iter().any(SendOutcome::outcome_unknown);
+        if suspect && let Some((conn, _)) = self.link.take() {
+            tokio::spawn(async move {
+                let close = conn.close(320, "timeoutd: link lost or withheld confirms".into());
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), close).await;
+            });
         }
         outcomes
     }

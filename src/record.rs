@@ -105,6 +105,11 @@ pub enum DecodeError {
 }
 
 impl TimeoutRecord {
+    /// Only the due instant of a raw document, when its `Time` decodes.
+    pub fn decode_due(doc: &Document, encoding: TimeEncoding) -> Option<DateTime> {
+        decode_time(doc.get(field::TIME), encoding).ok()
+    }
+
     /// Decodes a raw `Timeouts` document.
     pub fn decode(doc: &Document, encoding: TimeEncoding) -> Result<Self, DecodeError> {
         let id = doc

@@ -4,6 +4,8 @@
 //! claim holds, reap expired leases, count for `stats`, insert for `schedule`. It only ever
 //! `$set`s the three lock fields of an existing record and deletes by `_id`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
@@ -53,6 +55,41 @@ pub struct ClaimedRow {
 pub struct Claim {
     pub lease: Lease,
     pub rows: Vec<ClaimedRow>,
+    /// The claim saw claimable records it did not get (more than a batch, or lost to a
+    /// racing instance): claim again at once rather than wait for the next poll.
+    pub more: bool,
+}
+
+/// How many batches of the oldest due records a claim reads, to pick one batch from at
+/// random when they are all overdue.
+pub const STAMPEDE_SPREAD: u32 = 2;
+
+/// The batch to try to claim from the oldest `found` records: the oldest `batch_size`; or,
+/// when `spread` (the last claim met a racing instance) and every one found is already
+/// overdue, a random `batch_size` of them. Records due later keep their order: they are sent
+/// at their instant.
+fn pick_candidates(
+    found: Vec<Document>,
+    batch_size: usize,
+    now: DateTime,
+    encoding: TimeEncoding,
+    spread: bool,
+) -> Vec<Bson> {
+    let overdue =
+        |d: &Document| TimeoutRecord::decode_due(d, encoding).is_none_or(|due| due <= now);
+    let mut ids: Vec<(Bson, bool)> = found
+        .into_iter()
+        .filter_map(|d| {
+            let late = overdue(&d);
+            d.get(field::ID).cloned().map(|id| (id, late))
+        })
+        .collect();
+    if spread && ids.len() > batch_size && ids.iter().all(|(_, late)| *late) {
+        use rand::seq::SliceRandom;
+        ids.shuffle(&mut rand::rng());
+    }
+    ids.truncate(batch_size);
+    ids.into_iter().map(|(id, _)| id).collect()
 }
 
 /// Counts for `timeoutd stats`.
@@ -83,6 +120,8 @@ pub struct Store {
     attempts: Collection<Document>,
     encoding: TimeEncoding,
     clock: ServerClock,
+    /// The last claim lost records to a racing instance: pick the next batch at random.
+    contended: Arc<AtomicBool>,
 }
 
 impl Store {
@@ -128,6 +167,7 @@ impl Store {
             attempts,
             encoding: config.time_encoding,
             clock,
+            contended: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -199,40 +239,71 @@ impl Store {
     /// Claims up to `batch_size` due records, oldest first, under a fresh owner. Steps 1 to 6
     /// of the lease protocol: candidates, compare-and-swap `updateMany`, read back.
     pub async fn claim(&self, batch_size: u32, lease_len: Duration) -> Result<Claim, StoreError> {
+        self.claim_window(batch_size, lease_len, Duration::ZERO)
+            .await
+    }
+
+    /// [`Store::claim`] for records due within `look_ahead` from now as well; they are held
+    /// under the lease until their due instant.
+    ///
+    /// Against a backlog, several instances reading the same oldest candidates would all race
+    /// for one batch and all but one come away empty. So a claim reads the oldest
+    /// `STAMPEDE_SPREAD` batches, and after a claim that lost records to a racing instance it
+    /// takes a random batch of them instead of the oldest, so concurrent claims mostly take
+    /// different records. Alone, an instance always takes the oldest.
+    pub async fn claim_window(
+        &self,
+        batch_size: u32,
+        lease_len: Duration,
+        look_ahead: Duration,
+    ) -> Result<Claim, StoreError> {
         let now = self.clock.now();
+        let horizon = lease::add(now, look_ahead);
         let lease = Lease::new(now, lease_len);
-        let candidates: Vec<Bson> = self
+        let limit = batch_size.saturating_mul(STAMPEDE_SPREAD);
+        let found: Vec<Document> = self
             .coll
-            .find(lease::due_filter(now, self.encoding))
+            .find(lease::due_within(now, horizon, self.encoding))
             .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .limit(i64::from(batch_size))
-            .projection(doc! { field::ID: 1 })
+            .limit(i64::from(limit))
+            .projection(doc! { field::ID: 1, field::TIME: 1 })
             .await?
-            .try_collect::<Vec<Document>>()
-            .await?
-            .into_iter()
-            .filter_map(|d| d.get(field::ID).cloned())
-            .collect();
+            .try_collect()
+            .await?;
+        let found_count = found.len();
+        let spread = self.contended.load(Ordering::Relaxed);
+        let candidates = pick_candidates(found, batch_size as usize, now, self.encoding, spread);
         if candidates.is_empty() {
             return Ok(Claim {
                 lease,
                 rows: Vec::new(),
+                more: false,
             });
         }
         let taken = self
             .coll
             .update_many(
-                lease::claim_filter(now, self.encoding, &candidates),
+                lease::claim_filter(now, horizon, self.encoding, &candidates),
                 lease::claim_update(&lease),
             )
             .await;
+        if let Ok(r) = &taken {
+            self.contended.store(
+                r.modified_count < candidates.len() as u64,
+                Ordering::Relaxed,
+            );
+        }
         let rows = match taken {
             Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
             Ok(_) => self.read_back(&candidates, &lease).await,
             Err(e) => Err(e),
         };
         match rows {
-            Ok(rows) => Ok(Claim { lease, rows }),
+            Ok(rows) => Ok(Claim {
+                more: found_count > rows.len(),
+                lease,
+                rows,
+            }),
             Err(e) => {
                 // Between the update and the read-back: free what we may hold, best effort.
                 if let Err(release_err) = self.release_many(&candidates, lease.owner).await {
@@ -329,12 +400,35 @@ impl Store {
         Ok(r.modified_count)
     }
 
+    /// The backlog gauges: due and claimable records, and the age of the oldest due one.
+    /// Cheap: both queries are bounded by the due records, not by the future ones.
+    pub async fn backlog(&self) -> Result<(u64, Option<f64>), StoreError> {
+        let now = self.clock.now();
+        let due = self
+            .coll
+            .count_documents(lease::due_filter(now, self.encoding))
+            .await?;
+        Ok((due, self.oldest_due_age(now).await?))
+    }
+
+    async fn oldest_due_age(&self, now: DateTime) -> Result<Option<f64>, StoreError> {
+        let oldest = self
+            .coll
+            .find_one(lease::due_by(now, self.encoding))
+            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
+            .await?;
+        Ok(oldest
+            .and_then(|d| TimeoutRecord::decode_due(&d, self.encoding))
+            .map(|due| (now.timestamp_millis() - due.timestamp_millis()).max(0) as f64 / 1000.0))
+    }
+
     /// Counts for operators.
     pub async fn stats(&self) -> Result<Stats, StoreError> {
         let now = self.clock.now();
-        let due_by_now = lease::due_by(now, self.encoding);
-        let mut not_due = lease::due_after(now, self.encoding);
-        not_due.insert(field::LOCKED, false);
+        let not_due = lease::all_of([
+            lease::due_after(now, self.encoding),
+            doc! { field::LOCKED: false },
+        ]);
         let due = self
             .coll
             .count_documents(lease::due_filter(now, self.encoding));
@@ -350,14 +444,7 @@ impl Store {
             parking.count(),
             parking.count_retrying(),
         )?;
-        let oldest = self
-            .coll
-            .find_one(due_by_now)
-            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .await?;
-        let oldest_due_age_seconds = oldest
-            .and_then(|d| TimeoutRecord::decode(&d, self.encoding).ok())
-            .map(|r| (now.timestamp_millis() - r.due.timestamp_millis()).max(0) as f64 / 1000.0);
+        let oldest_due_age_seconds = self.oldest_due_age(now).await?;
         Ok(Stats {
             pending,
             due,

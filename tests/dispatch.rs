@@ -196,6 +196,59 @@ async fn future_records_wait_and_due_ones_fire() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn look_ahead_claims_early_and_sends_at_the_due_instant() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.dispatch.poll_interval = Duration::from_secs(3);
+    config.dispatch.look_ahead = Some(Duration::from_secs(3));
+    // Due 1.5 s to 2 s from now, inside the first claim's look-ahead.
+    let ids: Vec<Uuid> = (0..10).map(|_| Uuid::new_v4()).collect();
+    let dues: Vec<_> = (0..10).map(|i| in_ms(1_500 + 50 * i)).collect();
+    env.insert(
+        ids.iter()
+            .zip(&dues)
+            .map(|(id, due)| v7_record(*id, &env.queue, Uuid::new_v4(), *due, doc! {}))
+            .collect(),
+    )
+    .await;
+    let mut consumer = env.consumer().await;
+    let daemon = start(config);
+    // Claimed ahead: leased well before they fall due.
+    let leased = eventually(Duration::from_millis(1_200), || async {
+        env.count(doc! { "Locked": true }).await == 10
+    })
+    .await;
+    assert!(
+        leased,
+        "records due within the look-ahead are claimed before they fall due"
+    );
+    assert!(
+        consumer
+            .take(1, Duration::from_millis(1_000))
+            .await
+            .is_empty(),
+        "nothing is sent before it falls due"
+    );
+    let got = consumer.take(10, Duration::from_secs(10)).await;
+    daemon.stop().await;
+    assert_eq!(got.len(), 10);
+    for r in &got {
+        let id = r.header("TimeoutId").unwrap();
+        let i = ids.iter().position(|u| u.to_string() == id).unwrap();
+        // The server clock is estimated to within a round trip; allow that much.
+        assert!(
+            millis(time_sent(r)) >= dues[i].timestamp_millis() - 20,
+            "{id} was sent before its due instant"
+        );
+    }
+    let order: Vec<String> = got.iter().filter_map(|r| r.header("TimeoutId")).collect();
+    let want: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    assert_eq!(order, want, "sent in due order");
+    assert_eq!(env.count(doc! {}).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_dispatchers_send_each_record_once() {
     let env = TestEnv::new().await;
     let n = 1_500;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use bson::{Bson, doc};
 use common::*;
 use timeoutd::clock::ServerClock;
+use timeoutd::config::TimeEncoding;
 use timeoutd::store::{Claim, Store, StoreError};
 use uuid::Uuid;
 
@@ -264,5 +265,87 @@ async fn stats_count_each_state() {
     assert_eq!(st.expired_leases, 1);
     let age = st.oldest_due_age_seconds.unwrap();
     assert!((19.0..40.0).contains(&age), "{age}");
+    env.cleanup().await;
+}
+
+/// The stages of a plan, outermost first, following `inputStage`.
+fn stages(plan: &bson::Document) -> Vec<bson::Document> {
+    let mut out = vec![plan.clone()];
+    let mut p = plan;
+    while let Ok(next) = p.get_document("inputStage") {
+        out.push(next.clone());
+        p = next;
+    }
+    out
+}
+
+#[tokio::test]
+async fn due_query_scans_timeoutds_index_in_order_and_stops_at_the_batch() {
+    let env = TestEnv::new().await;
+    let s = store(&env).await;
+    s.ensure_indexes().await.unwrap();
+    // A backlog of 600 due records among 3,000 future ones.
+    let docs: Vec<_> = (0..3_600)
+        .map(|i| {
+            let due = if i < 600 {
+                in_ms(-60_000 + i)
+            } else {
+                in_ms(3_600_000 + i)
+            };
+            v7_record(Uuid::new_v4(), "q", Uuid::new_v4(), due, doc! {})
+        })
+        .collect();
+    env.insert(docs).await;
+    let now = s.clock().now();
+    let batch = 200;
+    let explain = env
+        .coll
+        .client()
+        .database(&env.db_name)
+        .run_command(doc! {
+            "explain": {
+                "find": "Timeouts",
+                "filter": timeoutd::lease::due_within(now, now, TimeEncoding::DotnetTicks),
+                "sort": { timeoutd::lease::due_sort_key(TimeEncoding::DotnetTicks): 1 },
+                "limit": batch,
+                "projection": { "_id": 1, "Time": 1 },
+            },
+            "verbosity": "executionStats",
+        })
+        .await
+        .expect("explain");
+    let plan = explain
+        .get_document("queryPlanner")
+        .and_then(|q| q.get_document("winningPlan"))
+        .unwrap();
+    let stages = stages(plan);
+    let names: Vec<&str> = stages
+        .iter()
+        .filter_map(|s| s.get_str("stage").ok())
+        .collect();
+    let scan = stages
+        .iter()
+        .find(|s| s.get_str("stage") == Ok("IXSCAN"))
+        .unwrap_or_else(|| panic!("no index scan: {names:?}"));
+    assert_eq!(scan.get_str("indexName"), Ok("timeoutd_due"), "{plan}");
+    assert!(
+        !names.contains(&"SORT"),
+        "the index gives the order, no sort stage: {names:?}"
+    );
+    let stats = explain.get_document("executionStats").unwrap();
+    let keys = stats
+        .get("totalKeysExamined")
+        .and_then(Bson::as_i64)
+        .or_else(|| {
+            stats
+                .get("totalKeysExamined")
+                .and_then(Bson::as_i32)
+                .map(i64::from)
+        });
+    assert_eq!(
+        keys,
+        Some(batch),
+        "the scan stops after one batch, not at the 3,600 records: {stats}"
+    );
     env.cleanup().await;
 }

@@ -3,100 +3,16 @@
 
 mod common;
 
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::doc;
+use common::fleet::{BIN, Daemon, http_get, series};
 use common::proxy::{Mode, Proxy, host_port};
 use common::*;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
-
-struct Daemon {
-    child: tokio::process::Child,
-    base: String,
-    /// Every line the daemon wrote to stderr so far.
-    logs: Arc<Mutex<Vec<String>>>,
-}
-
-impl Daemon {
-    fn logs(&self) -> Vec<String> {
-        self.logs.lock().unwrap().clone()
-    }
-
-    fn sigterm(&self) {
-        // SAFETY: signalling our own child process.
-        unsafe { libc::kill(self.child.id().unwrap() as i32, libc::SIGTERM) };
-    }
-}
-
 async fn spawn(vars: Vec<(String, String)>) -> Daemon {
-    let mut child = tokio::process::Command::new(BIN)
-        .arg("run")
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .envs(vars)
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let logs = Arc::new(Mutex::new(Vec::new()));
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let kept = logs.clone();
-    tokio::spawn(async move {
-        let mut tx = Some(tx);
-        while let Ok(Some(line)) = lines.next_line().await {
-            // Text logs say addr=HOST:PORT; JSON logs say "addr":"HOST:PORT".
-            let addr = line
-                .split_once("addr=")
-                .or_else(|| line.split_once("\"addr\":\""))
-                .map(|(_, rest)| {
-                    rest.chars()
-                        .take_while(|c| !c.is_whitespace() && *c != '"')
-                        .collect::<String>()
-                });
-            if let Some(addr) = addr
-                && let Some(tx) = tx.take()
-            {
-                let _ = tx.send(addr);
-            }
-            kept.lock().unwrap().push(line);
-        }
-    });
-    let addr = tokio::time::timeout(Duration::from_secs(20), rx)
-        .await
-        .expect("daemon logs its HTTP address")
-        .unwrap();
-    Daemon {
-        child,
-        base: format!("http://{addr}"),
-        logs,
-    }
-}
-
-async fn get(url: String) -> (u16, String) {
-    tokio::task::spawn_blocking(move || {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .build()
-            .new_agent();
-        let mut r = agent.get(&url).call().expect("HTTP answer");
-        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
-    })
-    .await
-    .unwrap()
-}
-
-/// The value of one series (`name` with its label text, exactly as rendered).
-fn series(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(0.0)
+    Daemon::spawn("timeoutd", vars).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,7 +67,7 @@ async fn metrics_count_what_really_happened() {
     // Let the confirms and removals of the last batch be counted.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let (code, text) = get(format!("{}/metrics", d.base)).await;
+    let (code, text) = http_get(format!("{}/metrics", d.base)).await;
     assert_eq!(code, 200);
     assert_eq!(
         series(&text, "timeoutd_dispatched_total"),
@@ -198,10 +114,10 @@ async fn metrics_count_what_really_happened() {
     );
     assert!(text.contains("timeoutd_build_info{version=\""));
 
-    assert_eq!(get(format!("{}/healthz", d.base)).await.0, 200);
-    let (code, body) = get(format!("{}/readyz", d.base)).await;
+    assert_eq!(http_get(format!("{}/healthz", d.base)).await.0, 200);
+    let (code, body) = http_get(format!("{}/readyz", d.base)).await;
     assert_eq!(code, 200, "{body}");
-    assert_eq!(get(format!("{}/nope", d.base)).await.0, 404);
+    assert_eq!(http_get(format!("{}/nope", d.base)).await.0, 404);
     let url = format!("{}/healthz", d.base);
     let post = tokio::task::spawn_blocking(move || {
         let agent = ureq::Agent::config_builder()
@@ -237,7 +153,7 @@ async fn readyz_follows_rabbitmq_and_turns_503_on_sigterm() {
         async move {
             eventually(Duration::from_secs(15), || {
                 let url = url.clone();
-                async move { get(url).await.0 == want }
+                async move { http_get(url).await.0 == want }
             })
             .await
         }
@@ -245,7 +161,7 @@ async fn readyz_follows_rabbitmq_and_turns_503_on_sigterm() {
     assert!(ready(200).await, "ready with both services");
     proxy.set(Mode::Cut);
     assert!(ready(503).await, "not ready while RabbitMQ is unreachable");
-    let (_, body) = get(format!("{}/readyz", d.base)).await;
+    let (_, body) = http_get(format!("{}/readyz", d.base)).await;
     assert!(body.contains("rabbitmq unreachable"), "{body}");
     proxy.set(Mode::Forward);
     assert!(ready(200).await, "ready again once RabbitMQ is back");
@@ -270,14 +186,11 @@ async fn readyz_follows_rabbitmq_and_turns_503_on_sigterm() {
     let url = format!("{}/readyz", d.base);
     let draining = eventually(Duration::from_secs(3), || {
         let url = url.clone();
-        async move { get(url).await.1.contains("draining") }
+        async move { http_get(url).await.1.contains("draining") }
     })
     .await;
     assert!(draining, "/readyz says draining before the process exits");
-    let status = tokio::time::timeout(Duration::from_secs(20), d.child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let status = d.wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0));
     assert_eq!(env.count(is_free()).await, 1, "released on the way out");
     proxy.set(Mode::Forward);
@@ -346,7 +259,7 @@ async fn systemd_notify_and_healthz_follow_a_stalled_loop() {
         async move {
             eventually(Duration::from_secs(10), || {
                 let url = url.clone();
-                async move { get(url).await.0 == want }
+                async move { http_get(url).await.0 == want }
             })
             .await
         }
@@ -382,10 +295,7 @@ async fn systemd_notify_and_healthz_follow_a_stalled_loop() {
         notify.expect("STOPPING=1", Duration::from_secs(5)).await,
         "STOPPING=1 at shutdown"
     );
-    let status = tokio::time::timeout(Duration::from_secs(20), d.child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let status = d.wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0));
     env.cleanup().await;
 }
@@ -407,22 +317,11 @@ async fn json_logs_name_each_record_with_its_destination_and_owner() {
     vars.push(("RUST_LOG".into(), "timeoutd=debug".into()));
     let mut d = spawn(vars).await;
     assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
-    let logged = |id: Uuid| {
-        let logs = d.logs.clone();
-        async move {
-            eventually(Duration::from_secs(10), || {
-                let logs = logs.clone();
-                async move {
-                    let needle = id.to_string();
-                    logs.lock().unwrap().iter().any(|l| l.contains(&needle))
-                }
-            })
-            .await
-        }
-    };
-    assert!(logged(sent).await && logged(unroutable).await);
+    for id in [sent, unroutable] {
+        assert!(d.logged(&id.to_string(), Duration::from_secs(10)).await);
+    }
     d.sigterm();
-    d.child.wait().await.unwrap();
+    d.wait(Duration::from_secs(20)).await;
 
     let mut about_records = 0;
     for line in d.logs() {
@@ -467,19 +366,16 @@ async fn credentials_never_appear_in_logs_errors_or_endpoints() {
         let mut vars = env.env_vars(&config);
         vars.push(("RUST_LOG".into(), "debug".into()));
         let mut d = spawn(vars).await;
-        let logs = d.logs.clone();
-        let failed = eventually(Duration::from_secs(10), || {
-            let logs = logs.clone();
-            async move { logs.lock().unwrap().iter().any(|l| l.contains(failure)) }
-        })
-        .await;
-        assert!(failed, "{failure} is logged");
+        assert!(
+            d.logged(failure, Duration::from_secs(10)).await,
+            "{failure} is logged"
+        );
         let mut seen = Vec::new();
         for path in ["/metrics", "/readyz", "/healthz"] {
-            seen.push(get(format!("{}{path}", d.base)).await.1);
+            seen.push(http_get(format!("{}{path}", d.base)).await.1);
         }
         d.sigterm();
-        let _ = tokio::time::timeout(Duration::from_secs(20), d.child.wait()).await;
+        d.wait(Duration::from_secs(20)).await;
         seen.extend(d.logs());
         let check = std::process::Command::new(BIN)
             .args(["check-config"])
