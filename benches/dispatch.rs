@@ -33,6 +33,8 @@
 //!   bench);
 //! - `TIMEOUTD_BENCH_RAW_WINDOW`: unconfirmed publishes in flight for `raw` (default 1000);
 //! - `TIMEOUTD_BENCH_CLAIM_REPS`: claims per size, the median is reported (default 9);
+//! - `TIMEOUTD_BENCH_DUMP_DIR`: write each lateness scenario's per-record due and receive
+//!   instants there as CSV;
 //! - `TIMEOUTD_<SECTION>__<KEY>` set in the environment reach the daemons too (the bench sets
 //!   URIs, database, listen address and log level itself; `dispatch.poll_interval` defaults to
 //!   1s and `dispatch.batch_size` to 500 unless set).
@@ -492,6 +494,8 @@ struct LatenessMs {
     min: f64,
     mean: f64,
     samples: usize,
+    over_25ms: usize,
+    over_100ms: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -540,8 +544,10 @@ fn lateness(received: &Received, expected: &Expected) -> LatenessMs {
         })
         .collect();
     late.sort_by(f64::total_cmp);
-    let mean = late.iter().sum::<f64>() / late.len().max(1) as f64;
+    let mean = late.iter().fold(0.0, |a, b| a + b) / late.len().max(1) as f64;
     LatenessMs {
+        over_25ms: late.iter().filter(|l| **l > 25.0).count(),
+        over_100ms: late.iter().filter(|l| **l > 100.0).count(),
         p50: percentile(&late, 0.50),
         p99: percentile(&late, 0.99),
         max: late.last().copied().unwrap_or(f64::NAN),
@@ -1271,16 +1277,16 @@ async fn scenario_lateness(ctx: &Ctx, scen: &Scen, timeoutd: bool) -> Result<Row
     }
     let received = counter.finish(Duration::from_millis(300)).await?;
     outcome?;
+    if let Ok(dir) = std::env::var("TIMEOUTD_BENCH_DUMP_DIR") {
+        let path = Path::new(&dir).join(format!("{}.csv", scen_key(timeoutd)));
+        details["dump"] = json!(path.display().to_string());
+        dump_lateness(&path, &received, &expected)?;
+    }
     if let Some(s) = stats {
         details["v7"] = json!(s);
     }
     Ok(Row {
-        scenario: if timeoutd {
-            "lateness-timeoutd"
-        } else {
-            "lateness-baseline"
-        }
-        .into(),
+        scenario: scen_key(timeoutd).into(),
         description: format!(
             "{n} records due uniformly over {window_s:.0} s at {LATENESS_RATE:.0}/s, poll 1 s, {}",
             if timeoutd {
@@ -1297,6 +1303,30 @@ async fn scenario_lateness(ctx: &Ctx, scen: &Scen, timeoutd: bool) -> Result<Row
         details,
         ..Row::default()
     })
+}
+
+fn scen_key(timeoutd: bool) -> &'static str {
+    if timeoutd {
+        "lateness-timeoutd"
+    } else {
+        "lateness-baseline"
+    }
+}
+
+/// One line per record: due instant (Unix ms), receive instant (Unix µs), lateness (ms).
+fn dump_lateness(path: &Path, received: &Received, expected: &Expected) -> Result<()> {
+    use std::fmt::Write;
+    let mut out = String::from("due_ms,received_us,late_ms\n");
+    for (id, at) in &received.first {
+        if let Some(due) = expected.get(id) {
+            let _ = writeln!(out, "{due},{at},{:.3}", *at as f64 / 1000.0 - *due as f64);
+        }
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, out)?;
+    Ok(())
 }
 
 /// `Store::claim` of 500 due records beside 10k, then 1M future records.
@@ -1459,7 +1489,7 @@ fn rabbitmq_version(amqp_uri: &str) -> Option<String> {
 
 async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
     let scale: f64 = env_parse("TIMEOUTD_BENCH_SCALE", 1.0);
-    if !(scale > 0.0) {
+    if !scale.is_finite() || scale <= 0.0 {
         bail!("TIMEOUTD_BENCH_SCALE must be a positive number");
     }
     let out_path = PathBuf::from(
@@ -1555,7 +1585,12 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
         };
         scen.cleanup(&ctx).await;
         match result {
-            Ok(r) => rows.extend(r),
+            Ok(mut r) => {
+                for row in r.iter_mut() {
+                    row.details["scenario_wall_seconds"] = json!(t.elapsed().as_secs_f64());
+                }
+                rows.extend(r)
+            }
             Err(e) => {
                 eprintln!("dispatch bench: {key} failed: {e:#}");
                 rows.push(Row {
