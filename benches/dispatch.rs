@@ -32,6 +32,11 @@
 //! - `TIMEOUTD_BENCH_BIN`: the `timeoutd` executable (default: the one cargo built with this
 //!   bench);
 //! - `TIMEOUTD_BENCH_RAW_WINDOW`: unconfirmed publishes in flight for `raw` (default 1000);
+//! - `TIMEOUTD_BENCH_CONSUMER`: `live` (default) counts deliveries while records are sent,
+//!   and a drain ends when all were received and the collection is empty; `after` leaves the
+//!   queue without a consumer until the timed part is over (a drain ends when the collection
+//!   is empty, `raw` when all are confirmed; confirms then wait for the disk), then counts.
+//!   The lateness scenarios always count live;
 //! - `TIMEOUTD_BENCH_CLAIM_REPS`: claims per size, the median is reported (default 9);
 //! - `TIMEOUTD_BENCH_DUMP_DIR`: write each lateness scenario's per-record due and receive
 //!   instants there as CSV;
@@ -213,6 +218,9 @@ struct Ctx {
     work: tempfile::TempDir,
     run_id: String,
     rabbit: RabbitConfig,
+    /// Whether the consumer receives while the records are sent (`live`), or only once the
+    /// timed part is over (`after`: the queue fills, so confirms wait for the disk).
+    live: bool,
     /// `timeoutd check-config` with the daemons' environment, captured once.
     effective_config: std::sync::Mutex<Option<String>>,
 }
@@ -481,6 +489,78 @@ async fn wait_empty(coll: &Collection<Document>, within: Duration) -> Result<Ins
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Polls until the collection is empty, cheaply (estimated count, then an exact one); fails
+/// after [`STALL`] without progress or when `alive` says a worker died.
+async fn wait_empty_polling(
+    coll: &Collection<Document>,
+    mut alive: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    let mut last = u64::MAX;
+    let mut last_change = Instant::now();
+    loop {
+        alive()?;
+        let left = coll.estimated_document_count().await?;
+        if left == 0 && coll.count_documents(doc! {}).await? == 0 {
+            return Ok(());
+        }
+        if left != last {
+            last = left;
+            last_change = Instant::now();
+        } else if last_change.elapsed() > STALL {
+            bail!(
+                "stalled: {left} records left, none removed for {} s",
+                STALL.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The consumer, started now when it counts live (`TIMEOUTD_BENCH_CONSUMER=live`).
+async fn live_counter(ctx: &Ctx, queue: &str, expected: &Arc<Expected>) -> Result<Option<Counter>> {
+    if ctx.live {
+        Ok(Some(Counter::start(ctx, queue, expected.clone()).await?))
+    } else {
+        Ok(None)
+    }
+}
+
+/// The end of a drain: with a live consumer, every record received and the collection
+/// empty; otherwise the collection empty.
+async fn wait_drained(
+    coll: &Collection<Document>,
+    n: u64,
+    counter: Option<&Counter>,
+    mut alive: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    match counter {
+        Some(c) => {
+            c.wait_for(n, &mut alive).await?;
+            wait_empty(coll, Duration::from_secs(60)).await?;
+            Ok(())
+        }
+        None => wait_empty_polling(coll, alive).await,
+    }
+}
+
+/// After the timed part: every delivery counted (the consumer starts now if it was not live),
+/// listening `linger` longer for late duplicates.
+async fn collect(
+    ctx: &Ctx,
+    queue: &str,
+    n: u64,
+    expected: &Arc<Expected>,
+    counter: Option<Counter>,
+    linger: Duration,
+) -> Result<Received> {
+    let counter = match counter {
+        Some(c) => c,
+        None => Counter::start(ctx, queue, expected.clone()).await?,
+    };
+    counter.wait_for(n, || Ok(())).await?;
+    counter.finish(linger).await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -846,7 +926,7 @@ async fn scenario_raw(ctx: &Ctx, scen: &Scen) -> Result<Row> {
             .collect(),
     );
     let messages = build_messages(&ctx.rabbit, &records);
-    let counter = Counter::start(ctx, &scen.queue, expected).await?;
+    let counter = live_counter(ctx, &scen.queue, &expected).await?;
     let (conn, channel) = confirm_channel(&ctx.amqp_uri).await?;
     let started = Instant::now();
     let mut in_flight = FuturesUnordered::new();
@@ -871,14 +951,29 @@ async fn scenario_raw(ctx: &Ctx, scen: &Scen) -> Result<Row> {
         check_confirmation(c?)?;
     }
     let confirmed_s = started.elapsed().as_secs_f64();
-    counter.wait_for(n, || Ok(())).await?;
+    if let Some(c) = &counter {
+        c.wait_for(n, || Ok(())).await?;
+    }
     let seconds = started.elapsed().as_secs_f64();
-    let received = counter.finish(Duration::from_millis(300)).await?;
+    let received = collect(
+        ctx,
+        &scen.queue,
+        n,
+        &expected,
+        counter,
+        Duration::from_millis(300),
+    )
+    .await?;
     let _ = conn.close(200, "done".into()).await;
     Ok(Row {
         scenario: "raw".into(),
         description: format!(
-            "RabbitMQ persistent publishes with confirms, pipelined ({window} in flight), one channel, counted at the consumer"
+            "RabbitMQ persistent publishes with confirms, pipelined ({window} in flight), one channel, {}",
+            if ctx.live {
+                "until received by the consumer"
+            } else {
+                "until all confirmed (no consumer yet)"
+            }
         ),
         records: n,
         seconds: Some(seconds),
@@ -942,11 +1037,14 @@ impl V7Poller {
         Ok(())
     }
 
-    fn due_filter(now: i64) -> Document {
-        doc! {
-            "Time.0": { "$lte": ms_to_ticks(now) },
-            "$or": [ { "Locked": false }, { "LockExpiresAt": { "$lte": DateTime::from_millis(now) } } ],
-        }
+    /// v7's due filter, written as timeoutd writes it (an explicit `$and` over the ticks
+    /// element), on which SecantusDB bounds the index scan; with the implicit form its cost
+    /// grows with the collection there, which would flatter timeoutd.
+    fn due_filter(now: i64) -> Vec<Document> {
+        vec![
+            doc! { "Time.0": { "$lte": ms_to_ticks(now) } },
+            doc! { "$or": [ { "Locked": false }, { "LockExpiresAt": { "$lte": DateTime::from_millis(now) } } ] },
+        ]
     }
 
     /// Runs until `stop`; polls again at once after a full batch (in the baseline's favour),
@@ -994,12 +1092,12 @@ impl V7Poller {
                 let t = Instant::now();
                 let deleted = self
                     .coll
-                    .delete_one(doc! {
-                        "_id": doc.get("_id").cloned().unwrap_or(Bson::Null),
-                        "Locked": true,
-                        "LockedBy": uuid_bson(owner),
-                        "LockExpiresAt": { "$gt": DateTime::from_millis(now) },
-                    })
+                    .delete_one(doc! { "$and": [
+                        { "_id": doc.get("_id").cloned().unwrap_or(Bson::Null) },
+                        { "Locked": true },
+                        { "LockedBy": uuid_bson(owner) },
+                        { "LockExpiresAt": { "$gt": DateTime::from_millis(now) } },
+                    ] })
                     .await?
                     .deleted_count;
                 st.delete_seconds += t.elapsed().as_secs_f64();
@@ -1027,7 +1125,7 @@ impl V7Poller {
         let expires = now + V7_LEASE.as_millis() as i64;
         let ids: Vec<Bson> = self
             .coll
-            .find(Self::due_filter(now))
+            .find(doc! { "$and": Self::due_filter(now) })
             .sort(doc! { "Time.0": 1 })
             .limit(V7_BATCH)
             .projection(doc! { "_id": 1 })
@@ -1040,8 +1138,9 @@ impl V7Poller {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut filter = Self::due_filter(now);
-        filter.insert("_id", doc! { "$in": ids });
+        let mut clauses = vec![doc! { "_id": { "$in": ids } }];
+        clauses.extend(Self::due_filter(now));
+        let filter = doc! { "$and": clauses };
         self.coll
             .update_many(
                 filter,
@@ -1054,11 +1153,11 @@ impl V7Poller {
             .await?;
         let rows: Vec<Document> = self
             .coll
-            .find(doc! {
-                "LockedBy": uuid_bson(owner),
-                "Locked": true,
-                "LockExpiresAt": { "$gt": DateTime::from_millis(now) },
-            })
+            .find(doc! { "$and": [
+                { "LockedBy": uuid_bson(owner) },
+                { "Locked": true },
+                { "LockExpiresAt": { "$gt": DateTime::from_millis(now) } },
+            ] })
             .sort(doc! { "Time.0": 1 })
             .await?
             .try_collect()
@@ -1088,30 +1187,34 @@ async fn scenario_baseline(ctx: &Ctx, scen: &Scen) -> Result<Row> {
     let (poller, conn) = start_v7(ctx, scen, Duration::from_secs(1)).await?;
     let (expected, insert_s) =
         insert_records(&scen.coll, &scen.queue, n, true, due_in_past(n)).await?;
-    let counter = Counter::start(ctx, &scen.queue, Arc::new(expected)).await?;
+    let expected = Arc::new(expected);
+    let counter = live_counter(ctx, &scen.queue, &expected).await?;
     let stop = CancellationToken::new();
     let started = Instant::now();
     let task = {
         let s = stop.clone();
         tokio::spawn(async move { poller.run(s).await })
     };
-    let waited = counter
-        .wait_for(n, || {
-            if task.is_finished() {
-                bail!("the baseline poller stopped early");
-            }
-            Ok(())
-        })
-        .await;
-    let emptied = match waited {
-        Ok(()) => wait_empty(&scen.coll, Duration::from_secs(60)).await,
-        Err(e) => Err(e),
-    };
+    let emptied = wait_drained(&scen.coll, n, counter.as_ref(), || {
+        if task.is_finished() {
+            bail!("the baseline poller stopped early");
+        }
+        Ok(())
+    })
+    .await;
     let seconds = started.elapsed().as_secs_f64();
     stop.cancel();
     let stats = task.await.map_err(|e| anyhow!("baseline task: {e}"))??;
     emptied?;
-    let received = counter.finish(Duration::from_millis(300)).await?;
+    let received = collect(
+        ctx,
+        &scen.queue,
+        n,
+        &expected,
+        counter,
+        Duration::from_millis(300),
+    )
+    .await?;
     let _ = conn.close(200, "done".into()).await;
     Ok(Row {
         scenario: "baseline".into(),
@@ -1139,19 +1242,17 @@ async fn scenario_timeoutd_drain(
     store.ensure_indexes().await?;
     let (expected, insert_s) =
         insert_records(&scen.coll, &scen.queue, n, true, due_in_past(n)).await?;
-    let counter = Counter::start(ctx, &scen.queue, Arc::new(expected)).await?;
+    let expected = Arc::new(expected);
+    let counter = live_counter(ctx, &scen.queue, &expected).await?;
     let started = Instant::now();
     let started_us = now_us();
     let mut daemons = Vec::new();
     for i in 0..instances {
         daemons.push(Daemon::spawn(ctx, &scen.db, &format!("{key}-{i}")).await?);
     }
-    let outcome = async {
-        counter
-            .wait_for(n, || daemons.iter_mut().try_for_each(Daemon::check_alive))
-            .await?;
-        wait_empty(&scen.coll, Duration::from_secs(60)).await
-    }
+    let outcome = wait_drained(&scen.coll, n, counter.as_ref(), || {
+        daemons.iter_mut().try_for_each(Daemon::check_alive)
+    })
     .await;
     let seconds = started.elapsed().as_secs_f64();
     // Read before SIGTERM: the peak of the drain, and the daemons' own counters.
@@ -1166,8 +1267,16 @@ async fn scenario_timeoutd_drain(
     for d in daemons {
         stops.push(d.stop().await.unwrap_or_else(|e| json!(e.to_string())));
     }
-    let received = counter.finish(Duration::from_millis(500)).await?;
     outcome?;
+    let received = collect(
+        ctx,
+        &scen.queue,
+        n,
+        &expected,
+        counter,
+        Duration::from_millis(500),
+    )
+    .await?;
     let first_delivery_s = received
         .first
         .iter()
@@ -1189,8 +1298,8 @@ async fn scenario_timeoutd_drain(
         details: json!({
             "instances": instances,
             "insert_seconds": insert_s,
-            "first_delivery_after_spawn_seconds": first_delivery_s,
-            "steady_records_per_s": steady_rate(&received, n),
+            "first_delivery_after_spawn_seconds": ctx.live.then_some(first_delivery_s).flatten(),
+            "steady_records_per_s": ctx.live.then(|| steady_rate(&received, n)).flatten(),
             "unexpected_deliveries": received.unexpected,
             "peak_rss_mib_per_instance": rss,
             "daemon_metrics": daemon_metrics(&texts, seconds),
@@ -1517,6 +1626,11 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
     let amqp_uri =
         std::env::var("TIMEOUTD_BENCH_AMQP_URI").unwrap_or_else(|_| DEFAULT_AMQP_URI.to_string());
     let bin = timeoutd_bin()?;
+    let live = match std::env::var("TIMEOUTD_BENCH_CONSUMER").as_deref() {
+        Err(_) | Ok("") | Ok("live") => true,
+        Ok("after") => false,
+        Ok(other) => bail!("TIMEOUTD_BENCH_CONSUMER: `{other}` is neither live nor after"),
+    };
     let client = Client::with_uri_str(&mongo_uri).await?;
     let build_info = client
         .database("admin")
@@ -1543,6 +1657,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
         work: tempfile::tempdir()?,
         run_id: Uuid::new_v4().simple().to_string()[..8].to_string(),
         rabbit: RabbitConfig::default(),
+        live,
         effective_config: std::sync::Mutex::new(None),
     };
     let run_started = Instant::now();
@@ -1622,13 +1737,14 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
         }
     }
     let targets = targets(&rows);
-    print_table(&rows, scale);
+    print_table(&rows, scale, ctx.live);
     print_targets(&targets);
 
     let report = json!({
         "benchmark": "timeoutd dispatch (issue 5)",
         "generated_at": humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
         "scale": scale,
+        "consumer": if ctx.live { "live" } else { "after" },
         "reduced_run": scale < 1.0,
         "total_seconds": run_started.elapsed().as_secs_f64(),
         "machine": machine_info(),
@@ -1645,9 +1761,9 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
         "timeoutd_bin": ctx.bin.display().to_string(),
         "timeoutd_effective_config": ctx.effective_config.lock().expect("lock").clone(),
         "notes": [
-            "records/s: records divided by the time from the start (process spawn, or the baseline loop's start) until every record was received by a consumer on the destination queue and the collection was empty",
+            "records/s: records divided by the time from the start (process spawn, or the baseline loop's start) until every record was received by a consumer on the destination queue and the collection was empty (consumer live), or until the collection was empty, raw: all confirmed (consumer after)",
             "lateness: consumer receive instant minus due instant, host clock; RabbitMQ may deliver a persistent message before it confirms it, so this is the lateness a receiver sees, within a few ms of confirm minus due; daemon_metrics has timeoutd's own confirm-minus-due histogram bounds",
-            "baseline: ServiceConnect v7's claim and per-record send/confirm/deleteOne, given the fast Time.0 index and an immediate re-poll after a full batch, so it is an optimistic v7",
+            "baseline: ServiceConnect v7's claim and per-record send/confirm/deleteOne, given timeoutd's query shape (explicit $and on the Time.0 index) and an immediate re-poll after a full batch, so it is an optimistic v7",
             "duplicates: deliveries of a record id beyond its first",
         ],
         "rows": rows,
@@ -1740,10 +1856,11 @@ fn fmt_opt(v: Option<f64>, decimals: usize) -> String {
     }
 }
 
-fn print_table(rows: &[Row], scale: f64) {
+fn print_table(rows: &[Row], scale: f64, live: bool) {
     println!();
     println!(
-        "timeoutd dispatch benchmark, scale {scale}{}",
+        "timeoutd dispatch benchmark, consumer {}, scale {scale}{}",
+        if live { "live" } else { "after" },
         if scale < 1.0 {
             " (REDUCED: record counts scaled down)"
         } else {
