@@ -169,8 +169,13 @@ fn audit(
         .iter()
         .map(|(id, c)| c.saturating_sub(if killed_held.contains(id) { 2 } else { 1 }))
         .sum();
+    let late = counter.lateness_ms();
+    let p99 = late
+        .get((late.len().saturating_sub(1)) * 99 / 100)
+        .copied()
+        .unwrap_or(0);
     eprintln!(
-        "FAULTS {scenario}: records={} deliveries={} duplicates={duplicates} lease_lost={lease_lost} killed_held={} duplicates_beyond_kills={unexplained}",
+        "FAULTS {scenario}: records={} deliveries={} duplicates={duplicates} lease_lost={lease_lost} killed_held={} duplicates_beyond_kills={unexplained} lateness_p99_ms={p99}",
         ids.len(),
         counter.total(),
         killed_held.len(),
@@ -899,13 +904,11 @@ async fn soak_with_random_kills_and_cuts() {
 
     // Records due from 20 s from now, spread evenly over the span.
     let start = in_ms(20_000).timestamp_millis();
-    let mut due_of: HashMap<String, i64> = HashMap::with_capacity(n);
     let mut ids = Vec::with_capacity(n);
     let mut docs = Vec::with_capacity(10_000);
     for i in 0..n {
         let id = Uuid::new_v4();
         let due = start + span_ms * i as i64 / n as i64;
-        due_of.insert(id.to_string(), due);
         ids.push(id);
         docs.push(v7_record(
             id,
@@ -944,10 +947,13 @@ async fn soak_with_random_kills_and_cuts() {
         let target = &mut fleet[i];
         match rng.random_range(0..3) {
             0 => {
-                // What it held may be delivered once more by a peer.
-                killed_held.extend(held_by(&env, &target.daemon).await);
                 lease_lost += target.daemon.metric(LEASE_LOST).await;
                 target.daemon.kill9().await;
+                // What it held when it died may be delivered once more by a peer. Read after
+                // the kill (its leases outlive it), once its last log lines (the owners of its
+                // claims) are in.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                killed_held.extend(held_by(&env, &target.daemon).await);
                 faults.push(format!("kill -9 {}", target.name));
                 tokio::time::sleep(secs(2)).await;
                 target.daemon = spawn(
@@ -984,14 +990,7 @@ async fn soak_with_random_kills_and_cuts() {
     counter.settle(secs(2)).await;
 
     let first = counter.first_seen();
-    let mut late: Vec<i64> = first
-        .iter()
-        .filter_map(|(id, t)| {
-            let got = t.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as i64;
-            Some(got - due_of.get(id)?)
-        })
-        .collect();
-    late.sort_unstable();
+    let late = counter.lateness_ms();
     let pct = |p: f64| late[((late.len() - 1) as f64 * p) as usize];
     let lost = n - first.len();
     let duplicates = audit("soak", &ids, &counter, lease_lost, &killed_held);

@@ -360,6 +360,21 @@ impl DeliveryCounter {
             .unwrap_or(0)
     }
 
+    /// First delivery minus due instant, in ms, of every delivered record whose due instant
+    /// the test recorded; sorted.
+    pub fn lateness_ms(&self) -> Vec<i64> {
+        let mut late: Vec<i64> = self
+            .first_seen()
+            .iter()
+            .filter_map(|(id, t)| {
+                let got = t.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as i64;
+                Some(got - super::due_ms(id)?)
+            })
+            .collect();
+        late.sort_unstable();
+        late
+    }
+
     /// When each record was first delivered.
     pub fn first_seen(&self) -> HashMap<String, std::time::SystemTime> {
         self.tally.lock().unwrap().first.clone()

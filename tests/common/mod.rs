@@ -196,6 +196,7 @@ impl TestEnv {
     }
 
     pub async fn insert(&self, docs: Vec<Document>) {
+        remember_due(&docs);
         if !docs.is_empty() {
             self.coll.insert_many(docs).await.expect("insert");
         }
@@ -405,4 +406,35 @@ impl Running {
             .expect("daemon stops within its shutdown timeout")
             .expect("daemon task");
     }
+}
+
+/// Due instants (Unix ms) of every v7-shaped record a test inserted, by id: what lateness is
+/// measured against.
+fn due_registry() -> &'static std::sync::Mutex<std::collections::HashMap<String, i64>> {
+    static DUE: OnceLock<std::sync::Mutex<std::collections::HashMap<String, i64>>> =
+        OnceLock::new();
+    DUE.get_or_init(Default::default)
+}
+
+fn remember_due(docs: &[Document]) {
+    let mut due = due_registry().lock().unwrap();
+    for d in docs {
+        let id = match d.get("_id") {
+            Some(Bson::Binary(b)) => Uuid::from_slice(&b.bytes).ok(),
+            _ => None,
+        };
+        let ticks = d
+            .get_array("Time")
+            .ok()
+            .and_then(|t| t.first())
+            .and_then(Bson::as_i64);
+        if let (Some(id), Some(ticks)) = (id, ticks) {
+            due.insert(id.to_string(), (ticks - EPOCH_TICKS) / 10_000);
+        }
+    }
+}
+
+/// The due instant (Unix ms) of a record this test binary inserted.
+pub fn due_ms(id: &str) -> Option<i64> {
+    due_registry().lock().unwrap().get(id).copied()
 }
