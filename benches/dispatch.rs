@@ -1704,6 +1704,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
         }
         eprintln!("dispatch bench: {key} ...");
         let t = Instant::now();
+        let load_at_start = loadavg();
         let scen = Scen::new(&ctx, key).await?;
         let result = match *key {
             "raw" => scenario_raw(&ctx, &scen).await.map(|r| vec![r]),
@@ -1731,6 +1732,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
             Ok(mut r) => {
                 for row in r.iter_mut() {
                     row.details["scenario_wall_seconds"] = json!(t.elapsed().as_secs_f64());
+                    row.details["loadavg_at_start"] = json!(load_at_start);
                 }
                 rows.extend(r)
             }
@@ -1766,6 +1768,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
     }
     let targets = targets(&rows);
     print_table(&rows, scale, ctx.live);
+    print_breakdown(&rows);
     print_targets(&targets);
 
     let report = json!({
@@ -1939,6 +1942,36 @@ fn print_table(rows: &[Row], scale: f64, live: bool) {
         );
     }
     println!();
+}
+
+/// Where a timeoutd batch's time went, from the daemons' own histograms.
+fn print_breakdown(rows: &[Row]) {
+    let mut any = false;
+    for r in rows.iter().filter(|r| r.error.is_none()) {
+        let Some(m) = r.details.get("daemon_metrics") else {
+            continue;
+        };
+        if r.scenario.starts_with("lateness") {
+            continue;
+        }
+        if !any {
+            println!("per batch, from the daemons' metrics (summed over instances):");
+            any = true;
+        }
+        let f = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        println!(
+            "  {:<12} {:>4} claims, mean {:>6.1} ms; {:>4} published batches, publish+confirm {:>6.1} ms, other {:>6.1} ms (remove, build, startup, pauses)",
+            r.scenario,
+            f("claims"),
+            f("claim_ms_mean"),
+            f("published_batches"),
+            f("publish_confirm_ms_mean_per_batch"),
+            f("other_ms_per_published_batch"),
+        );
+    }
+    if any {
+        println!();
+    }
 }
 
 fn print_targets(targets: &[Target]) {
