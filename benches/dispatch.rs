@@ -33,6 +33,7 @@
 //! - `TIMEOUTD_BENCH_BIN`: the `timeoutd` executable (default: the one cargo built with this
 //!   bench);
 //! - `TIMEOUTD_BENCH_RAW_WINDOW`: unconfirmed publishes in flight for `raw` (default 1000);
+//! - `TIMEOUTD_BENCH_RAW_REPS`: `raw` runs, the best counts (default 3);
 //! - `TIMEOUTD_BENCH_CONSUMER`: `live` (default) counts deliveries while records are sent,
 //!   and a drain ends when all were received and the collection is empty; `after` leaves the
 //!   queue without a consumer until the timed part is over (a drain ends when the collection
@@ -916,10 +917,56 @@ fn check_confirmation(c: Confirmation) -> Result<()> {
     }
 }
 
-/// The broker's limit: pipelined persistent publishes with confirms, `window` in flight.
+/// One raw run: seconds until done, seconds until all confirmed, duplicates, body size.
+struct RawRun {
+    seconds: f64,
+    confirmed_s: f64,
+    duplicates: u64,
+    body_bytes: Option<usize>,
+}
+
+/// The broker's limit: pipelined persistent publishes with confirms, `window` in flight; the
+/// best of `TIMEOUTD_BENCH_RAW_REPS` runs (default 3), since a limit is what the broker can do
+/// and the machine is shared.
 async fn scenario_raw(ctx: &Ctx, scen: &Scen) -> Result<Row> {
     let n = ctx.scaled(DRAIN_RECORDS, 1_000);
     let window: usize = env_parse("TIMEOUTD_BENCH_RAW_WINDOW", 1000);
+    let reps: usize = env_parse("TIMEOUTD_BENCH_RAW_REPS", 3).max(1);
+    let mut runs = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        runs.push(raw_once(ctx, scen, n, window).await?);
+    }
+    let all: Vec<f64> = runs.iter().map(|r| n as f64 / r.seconds).collect();
+    let best = runs
+        .iter()
+        .min_by(|a, b| a.seconds.total_cmp(&b.seconds))
+        .context("no raw run")?;
+    Ok(Row {
+        scenario: "raw".into(),
+        description: format!(
+            "RabbitMQ persistent publishes with confirms, pipelined ({window} in flight), one channel, {}, best of {reps}",
+            if ctx.live {
+                "until received by the consumer"
+            } else {
+                "until all confirmed (no consumer yet)"
+            }
+        ),
+        records: n,
+        seconds: Some(best.seconds),
+        records_per_s: Some(n as f64 / best.seconds),
+        duplicates: Some(runs.iter().map(|r| r.duplicates).sum()),
+        details: json!({
+            "window": window,
+            "runs_records_per_s": all,
+            "all_confirmed_seconds": best.confirmed_s,
+            "confirmed_per_s": n as f64 / best.confirmed_s,
+            "message_body_bytes": best.body_bytes,
+        }),
+        ..Row::default()
+    })
+}
+
+async fn raw_once(ctx: &Ctx, scen: &Scen, n: u64, window: usize) -> Result<RawRun> {
     let records: Vec<TimeoutRecord> = (0..n).map(|_| record(&scen.queue, now_ms())).collect();
     let expected: Arc<Expected> = Arc::new(
         records
@@ -967,27 +1014,11 @@ async fn scenario_raw(ctx: &Ctx, scen: &Scen) -> Result<Row> {
     )
     .await?;
     let _ = conn.close(200, "done".into()).await;
-    Ok(Row {
-        scenario: "raw".into(),
-        description: format!(
-            "RabbitMQ persistent publishes with confirms, pipelined ({window} in flight), one channel, {}",
-            if ctx.live {
-                "until received by the consumer"
-            } else {
-                "until all confirmed (no consumer yet)"
-            }
-        ),
-        records: n,
-        seconds: Some(seconds),
-        records_per_s: Some(n as f64 / seconds),
-        duplicates: Some(received.duplicates),
-        details: json!({
-            "window": window,
-            "all_confirmed_seconds": confirmed_s,
-            "confirmed_per_s": n as f64 / confirmed_s,
-            "message_body_bytes": messages.first().map(|m| m.body.len()),
-        }),
-        ..Row::default()
+    Ok(RawRun {
+        seconds,
+        confirmed_s,
+        duplicates: received.duplicates,
+        body_bytes: messages.first().map(|m| m.body.len()),
     })
 }
 
