@@ -1,5 +1,6 @@
 //! `timeoutd run`: wires the store, the publisher, the dispatch loop, the reaper, the monitor
-//! (server clock and backlog gauges) and the HTTP endpoints together, one task per concern,
+//! (server clock and backlog gauges), the insert watcher (wake-ups), systemd notifications and
+//! the HTTP endpoints together, one task per concern,
 //! and stops them all when the shutdown token is cancelled.
 
 use std::net::SocketAddr;
@@ -16,7 +17,7 @@ use crate::health::Health;
 use crate::metrics as m;
 use crate::publisher::Publisher;
 use crate::store::{Store, StoreError};
-use crate::{http, reaper, systemd};
+use crate::{http, reaper, systemd, wakeup};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
@@ -93,12 +94,20 @@ pub async fn run_with(
             config.reaper_interval(),
             shutdown.clone(),
         ));
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let wakeup_task = tokio::spawn(wakeup::run(
+            store.clone(),
+            config.dispatch.look_ahead(),
+            wake.clone(),
+            shutdown.clone(),
+        ));
         let dispatcher = Dispatcher::new(
             config.clone(),
             store,
             publisher,
             health.clone(),
             shutdown.clone(),
+            wake,
         );
         let dispatch_task = tokio::spawn(dispatcher.run());
 
@@ -115,7 +124,7 @@ pub async fn run_with(
         if tokio::time::timeout(grace, dispatch_task).await.is_err() {
             tracing::warn!("dispatch loop did not stop in time; its leases will expire");
         }
-        let _ = tokio::join!(monitor_task, reaper_task);
+        let _ = tokio::join!(monitor_task, reaper_task, wakeup_task);
     }
     http_stop.cancel();
     let _ = tokio::join!(http_task, notify_task);

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bson::{Bson, Document};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -24,13 +25,18 @@ use crate::publisher::{Publisher, SendOutcome};
 use crate::record::{TimeoutRecord, display_id};
 use crate::store::{Claim, Store};
 
-/// A claimed record ready to send: its `_id`, the stored document and the decoded record.
+/// A claimed record ready to send: its `_id`, the stored document, the decoded record and
+/// the lease of the claim that took it.
 #[derive(Debug)]
 struct Ready {
     id: Bson,
     raw: Document,
     record: TimeoutRecord,
+    lease: Lease,
 }
+
+/// A record whose publish the broker confirmed, waiting to be removed.
+type Sent = (Bson, TimeoutRecord, Lease);
 
 /// Why a record is being parked, and after how many failed sends.
 #[derive(Debug)]
@@ -66,6 +72,8 @@ pub struct Dispatcher {
     /// The last batch had publishes whose outcome is unknown: back off before the next
     /// claim, so that a link that withholds confirms does not resend the same records hot.
     unconfirmed: bool,
+    /// Signalled when a record was inserted due before the next poll (change stream).
+    wake: Arc<Notify>,
 }
 
 impl Dispatcher {
@@ -75,6 +83,7 @@ impl Dispatcher {
         publisher: Publisher,
         health: Arc<Health>,
         shutdown: CancellationToken,
+        wake: Arc<Notify>,
     ) -> Self {
         Self {
             config,
@@ -83,6 +92,7 @@ impl Dispatcher {
             health,
             shutdown,
             unconfirmed: false,
+            wake,
         }
     }
 
@@ -137,10 +147,13 @@ impl Dispatcher {
                 continue;
             }
             backoff.reset();
-            // Poll every poll_interval (counted from this claim), or at once while more is due.
+            // Poll every poll_interval (counted from this claim), or at once while more is due,
+            // or when a record was inserted due sooner.
             if !more {
-                self.pause(d.poll_interval.saturating_sub(started.elapsed()))
-                    .await;
+                tokio::select! {
+                    _ = self.pause(d.poll_interval.saturating_sub(started.elapsed())) => {}
+                    _ = self.wake.notified() => {}
+                }
             }
         }
         self.publisher.close().await;
@@ -158,14 +171,61 @@ impl Dispatcher {
     /// Sends one claimed batch, each record at its due instant, and settles every row of it.
     ///
     /// Records already due go out at once, pipelined; records claimed ahead (look-ahead) are
-    /// sent in waves as they fall due, from a timer, while their lease holds. Confirmed
-    /// records are removed when the batch is done, or earlier whenever the next wave is far
-    /// enough off.
+    /// sent in waves as they fall due, from a timer, while their lease holds. A record
+    /// inserted due sooner than the next wave (change stream) is claimed at once and joins
+    /// the waves. Confirmed records are removed when the batch is done, or earlier whenever
+    /// the next wave is far enough off.
     async fn process(&mut self, claim: Claim) {
-        let lease = claim.lease;
-        let owner = lease.owner;
         let margin = self.config.dispatch.lease_safety_margin;
         let mut pending: VecDeque<Ready> = VecDeque::new();
+        self.take_rows(claim, &mut pending).await;
+        let mut confirmed: Vec<Sent> = Vec::new();
+        let mut failed: Vec<(Bson, Lease)> = Vec::new();
+        while let Some(next) = pending.front() {
+            let now = self.store.clock().now();
+            let wait_ms = next.record.due.timestamp_millis() - now.timestamp_millis();
+            if wait_ms > 0 && !self.shutdown.is_cancelled() {
+                if wait_ms as u64 >= REMOVE_WHEN_IDLE_MS && !confirmed.is_empty() {
+                    self.remove_confirmed(std::mem::take(&mut confirmed)).await;
+                    continue;
+                }
+                let wait = Duration::from_millis(wait_ms as u64);
+                self.health.waiting(wait);
+                let woken = tokio::select! {
+                    _ = self.pause(wait) => false,
+                    _ = self.wake.notified() => true,
+                };
+                if woken {
+                    self.claim_more(&mut pending).await;
+                }
+                continue;
+            }
+            if self.shutdown.is_cancelled() {
+                let held: Vec<(Bson, Lease)> = pending.drain(..).map(|r| (r.id, r.lease)).collect();
+                self.release_each(held, "shutdown").await;
+                break;
+            }
+            let due_now = pending.iter().take_while(|r| r.record.due <= now).count();
+            let (wave, too_late): (Vec<Ready>, Vec<Ready>) = pending
+                .drain(..due_now)
+                .partition(|r| r.lease.before_publish(now, margin) == PrePublish::Publish);
+            if !too_late.is_empty() {
+                m::skipped("margin", too_late.len());
+                let held = too_late.into_iter().map(|r| (r.id, r.lease)).collect();
+                self.release_each(held, "margin").await;
+            }
+            if !wave.is_empty() {
+                self.send_wave(wave, &mut confirmed, &mut failed).await;
+            }
+        }
+        self.remove_confirmed(confirmed).await;
+        self.release_each(failed, "publish_failed").await;
+    }
+
+    /// Parks a claim's poison rows and queues the rest, in due order.
+    async fn take_rows(&mut self, claim: Claim, pending: &mut VecDeque<Ready>) {
+        let lease = claim.lease;
+        let owner = lease.owner;
         for row in claim.rows {
             match row.record {
                 Err(e) => {
@@ -185,49 +245,31 @@ impl Dispatcher {
                     id: row.id,
                     raw: row.raw,
                     record,
+                    lease,
                 }),
             }
         }
-        // Rows come oldest first; keep the timer's order exact anyway.
         pending
             .make_contiguous()
             .sort_by_key(|r| r.record.due.timestamp_millis());
+    }
 
-        let mut confirmed: Vec<(Bson, TimeoutRecord)> = Vec::new();
-        let mut failed: Vec<Bson> = Vec::new();
-        while let Some(next) = pending.front() {
-            let now = self.store.clock().now();
-            let wait_ms = next.record.due.timestamp_millis() - now.timestamp_millis();
-            if wait_ms > 0 && !self.shutdown.is_cancelled() {
-                if wait_ms as u64 >= REMOVE_WHEN_IDLE_MS && !confirmed.is_empty() {
-                    self.remove_confirmed(&std::mem::take(&mut confirmed), &lease)
-                        .await;
-                    continue;
-                }
-                let wait = Duration::from_millis(wait_ms as u64);
-                self.health.waiting(wait);
-                self.pause(wait).await;
-                continue;
+    /// Claims what fell due in the look-ahead since the batch was claimed (records inserted
+    /// due soon) and merges it into the waves. A failure leaves them for the next poll.
+    async fn claim_more(&mut self, pending: &mut VecDeque<Ready>) {
+        let d = &self.config.dispatch;
+        match self
+            .store
+            .claim_window(d.batch_size, d.lock_lease, d.look_ahead())
+            .await
+        {
+            Ok(claim) if !claim.rows.is_empty() => {
+                tracing::debug!(owner = %claim.lease.owner, claimed = claim.rows.len(), "claimed records inserted due soon");
+                m::claimed(claim.rows.len());
+                self.take_rows(claim, pending).await;
             }
-            if self.shutdown.is_cancelled() {
-                let ids: Vec<Bson> = pending.drain(..).map(|r| r.id).collect();
-                self.release(&ids, owner, "shutdown").await;
-                break;
-            }
-            if lease.before_publish(now, margin) == PrePublish::TooLittleLease {
-                let ids: Vec<Bson> = pending.drain(..).map(|r| r.id).collect();
-                m::skipped("margin", ids.len());
-                self.release(&ids, owner, "margin").await;
-                break;
-            }
-            let due_now = pending.iter().take_while(|r| r.record.due <= now).count();
-            let wave: Vec<Ready> = pending.drain(..due_now).collect();
-            self.send_wave(wave, owner, &mut confirmed, &mut failed)
-                .await;
-        }
-        self.remove_confirmed(&confirmed, &lease).await;
-        if !failed.is_empty() {
-            self.release(&failed, owner, "publish_failed").await;
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "claim on wake failed; the next poll takes them"),
         }
     }
 
@@ -236,9 +278,8 @@ impl Dispatcher {
     async fn send_wave(
         &mut self,
         wave: Vec<Ready>,
-        owner: uuid::Uuid,
-        confirmed: &mut Vec<(Bson, TimeoutRecord)>,
-        failed: &mut Vec<Bson>,
+        confirmed: &mut Vec<Sent>,
+        failed: &mut Vec<(Bson, Lease)>,
     ) {
         let sent_at = SystemTime::now();
         let messages: Vec<_> = wave
@@ -259,12 +300,15 @@ impl Dispatcher {
         let confirmed_at = self.store.clock().now();
         let mut refused: Vec<(Ready, SendOutcome)> = Vec::new();
         for (r, outcome) in wave.into_iter().zip(outcomes) {
-            let Ready { id, record, .. } = &r;
+            let Ready {
+                id, record, lease, ..
+            } = &r;
+            let owner = lease.owner;
             match outcome {
                 SendOutcome::Confirmed => {
                     tracing::debug!(timeout_id = %record.id, destination = %record.destination, %owner, late_ms = confirmed_at.timestamp_millis() - record.due.timestamp_millis(), "timeout sent");
                     m::dispatched(record.due, confirmed_at);
-                    confirmed.push((r.id, r.record));
+                    confirmed.push((r.id, r.record, r.lease));
                 }
                 SendOutcome::Returned | SendOutcome::Nacked => {
                     m::publish_failure(outcome.reason());
@@ -277,23 +321,24 @@ impl Dispatcher {
                     m::publish_failure(other.reason());
                     m::lease_lost(1);
                     self.unconfirmed = true;
-                    failed.push(id.clone());
+                    failed.push((id.clone(), *lease));
                 }
                 other => {
                     tracing::warn!(timeout_id = %record.id, destination = %record.destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
                     m::publish_failure(other.reason());
-                    failed.push(id.clone());
+                    failed.push((id.clone(), *lease));
                 }
             }
         }
         for (r, outcome) in refused {
-            self.retry_or_park(r, outcome, owner).await;
+            self.retry_or_park(r, outcome).await;
         }
     }
 
     /// A send the broker refused: counted, then retried after back-off (the lease is kept
     /// until the next attempt), or parked after `max_attempts`.
-    async fn retry_or_park(&self, r: Ready, outcome: SendOutcome, owner: uuid::Uuid) {
+    async fn retry_or_park(&self, r: Ready, outcome: SendOutcome) {
+        let owner = r.lease.owner;
         let retry = &self.config.retry;
         let destination = r.record.destination.as_str();
         let (reason, error) = match outcome {
@@ -399,7 +444,15 @@ impl Dispatcher {
     /// Deletes the confirmed records under the owner guard, after checking that the lease
     /// still holds. A shortfall is a lost lease: the message may be sent again by whoever
     /// holds the record now.
-    async fn remove_confirmed(&self, confirmed: &[(Bson, TimeoutRecord)], lease: &Lease) {
+    async fn remove_confirmed(&self, confirmed: Vec<Sent>) {
+        for (lease, batch) in by_lease(confirmed, |(_, _, l)| *l) {
+            let batch: Vec<(Bson, TimeoutRecord)> =
+                batch.into_iter().map(|(id, r, _)| (id, r)).collect();
+            self.remove_held(&batch, &lease).await;
+        }
+    }
+
+    async fn remove_held(&self, confirmed: &[(Bson, TimeoutRecord)], lease: &Lease) {
         if confirmed.is_empty() {
             return;
         }
@@ -454,6 +507,14 @@ impl Dispatcher {
         }
     }
 
+    /// Frees records, each under the guard of its own claim's owner.
+    async fn release_each(&self, held: Vec<(Bson, Lease)>, reason: &'static str) {
+        for (lease, batch) in by_lease(held, |(_, l)| *l) {
+            let ids: Vec<Bson> = batch.into_iter().map(|(id, _)| id).collect();
+            self.release(&ids, lease.owner, reason).await;
+        }
+    }
+
     /// Frees records under the owner guard. A shortfall is a lost lease.
     async fn release(&self, ids: &[Bson], owner: uuid::Uuid, reason: &'static str) {
         match self.store.release_many(ids, owner).await {
@@ -470,4 +531,17 @@ impl Dispatcher {
             }
         }
     }
+}
+
+/// Groups items by the lease of the claim that took them, in first-seen order.
+fn by_lease<T>(items: Vec<T>, lease_of: impl Fn(&T) -> Lease) -> Vec<(Lease, Vec<T>)> {
+    let mut groups: Vec<(Lease, Vec<T>)> = Vec::new();
+    for item in items {
+        let lease = lease_of(&item);
+        match groups.iter_mut().find(|(l, _)| l.owner == lease.owner) {
+            Some((_, g)) => g.push(item),
+            None => groups.push((lease, vec![item])),
+        }
+    }
+    groups
 }

@@ -37,3 +37,4 @@ pub mod record;
 pub mod shutdown;
 pub mod store;
 pub mod systemd;
+pub mod wakeup;

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
+use mongodb::change_stream::event::ChangeStreamEvent;
 use mongodb::options::{Acknowledgment, ClientOptions, IndexOptions};
 use mongodb::{Client, Collection, Database, IndexModel};
 use serde::Serialize;
@@ -420,6 +421,17 @@ impl Store {
         Ok(oldest
             .and_then(|d| TimeoutRecord::decode_due(&d, self.encoding))
             .map(|due| (now.timestamp_millis() - due.timestamp_millis()).max(0) as f64 / 1000.0))
+    }
+
+    /// A change stream of the inserts into the collection (for [`crate::wakeup`]).
+    pub async fn watch_inserts(
+        &self,
+    ) -> Result<mongodb::change_stream::ChangeStream<ChangeStreamEvent<Document>>, StoreError> {
+        Ok(self
+            .coll
+            .watch()
+            .pipeline([doc! { "$match": { "operationType": "insert" } }])
+            .await?)
     }
 
     /// Counts for operators.

@@ -249,6 +249,63 @@ async fn look_ahead_claims_early_and_sends_at_the_due_instant() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_inserted_due_before_the_next_poll_fires_at_its_instant() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    // Polls are 60 s apart: only the change stream can fire the record in time.
+    config.dispatch.poll_interval = Duration::from_secs(60);
+    config.dispatch.look_ahead = Some(Duration::from_secs(60));
+    config.dispatch.lock_lease = Duration::from_secs(300);
+    let mut consumer = env.consumer().await;
+    // A first record shows the first poll has happened; a second, due in 10 s, is held from
+    // that poll on, so the loop is waiting for it when the new record comes in.
+    let first = env.insert_due(1).await;
+    let later = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        later,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(10_000),
+        doc! {},
+    )])
+    .await;
+    let daemon = start(config);
+    assert_eq!(consumer.take(1, Duration::from_secs(20)).await.len(), 1);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            env.find(first[0]).await.is_none()
+        })
+        .await
+    );
+
+    let id = Uuid::new_v4();
+    let due = in_ms(1_500);
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        due,
+        doc! {},
+    )])
+    .await;
+    let got = consumer.take(2, Duration::from_secs(30)).await;
+    daemon.stop().await;
+    assert_eq!(got.len(), 2, "both fired well before the next poll");
+    assert_eq!(
+        got[0].header("TimeoutId"),
+        Some(id.to_string()),
+        "the new record fired first, at its own instant"
+    );
+    assert_eq!(got[1].header("TimeoutId"), Some(later.to_string()));
+    // The server clock is estimated to within a round trip; allow that much.
+    assert!(
+        millis(time_sent(&got[0])) >= due.timestamp_millis() - 20,
+        "not sent before its due instant"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_dispatchers_send_each_record_once() {
     let env = TestEnv::new().await;
     let n = 1_500;

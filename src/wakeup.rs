@@ -1,0 +1,67 @@
+//! Wake-ups: a change stream on the timeouts collection tells the dispatch loop when a record
+//! is inserted due within the look-ahead, so that it is claimed and fired on time instead of
+//! at the next poll. Where the server offers no change streams (a standalone MongoDB), this
+//! task says so once and polling alone serves.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::record::TimeoutRecord;
+use crate::store::Store;
+
+/// How long to wait before opening the change stream again after it failed.
+const RETRY: Duration = Duration::from_secs(30);
+
+/// Watches inserts until shutdown; signals `wake` for each record due within `look_ahead`.
+pub async fn run(
+    store: Store,
+    look_ahead: Duration,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    let mut told = false;
+    while !shutdown.is_cancelled() {
+        match store.watch_inserts().await {
+            Ok(mut stream) => {
+                tracing::debug!("watching inserts (change stream)");
+                told = false;
+                loop {
+                    let event = tokio::select! {
+                        e = stream.next() => e,
+                        _ = shutdown.cancelled() => return,
+                    };
+                    match event {
+                        Some(Ok(event)) => {
+                            let due = event
+                                .full_document
+                                .as_ref()
+                                .and_then(|d| TimeoutRecord::decode_due(d, store.encoding()));
+                            let soon = crate::lease::add(store.clock().now(), look_ahead);
+                            if due.is_some_and(|due| due <= soon) {
+                                wake.notify_one();
+                            }
+                        }
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "change stream failed; reopening");
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+            }
+            Err(e) if !told => {
+                tracing::info!(error = %e, "no change stream on the timeouts collection: records inserted due sooner than the next poll fire at that poll");
+                told = true;
+            }
+            Err(e) => tracing::debug!(error = %e, "change stream still unavailable"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(RETRY) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
