@@ -169,7 +169,9 @@ pub struct DispatchConfig {
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
     /// How far ahead a claim reaches: records due within it are held under the lease and
-    /// sent at their due instant. `poll_interval` when absent; `0s` turns it off.
+    /// sent at their due instant. Twice `poll_interval` when absent, so that each claim's
+    /// window overlaps the next one's by a whole poll and a claim's own latency never makes
+    /// the start of its window late; `0s` turns it off.
     #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
     pub look_ahead: Option<Duration>,
 }
@@ -177,7 +179,7 @@ pub struct DispatchConfig {
 impl DispatchConfig {
     /// The effective look-ahead.
     pub fn look_ahead(&self) -> Duration {
-        self.look_ahead.unwrap_or(self.poll_interval)
+        self.look_ahead.unwrap_or(self.poll_interval * 2)
     }
 }
 
