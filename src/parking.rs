@@ -265,16 +265,10 @@ impl Parking {
             }
         }
         // Poison records may have ids of any type: match them as they are displayed.
-        let ids: Vec<Document> = self
-            .parked
-            .find(doc! {})
-            .projection(doc! { field::ID: 1 })
+        Ok(self
+            .all_ids()
             .await?
-            .try_collect()
-            .await?;
-        Ok(ids
             .into_iter()
-            .filter_map(|d| d.get(field::ID).cloned())
             .find(|id| display_id(id) == shown))
     }
 
@@ -313,10 +307,7 @@ impl Parking {
             .await?
             .try_collect()
             .await?;
-        Ok(docs
-            .into_iter()
-            .filter_map(|d| d.get(field::ID).cloned())
-            .collect())
+        Ok(crate::record::ids_of(docs))
     }
 
     /// Deletes parked record `id` for good; `false` if it was not parked.

@@ -69,6 +69,13 @@ pub fn bson_uuid(value: &Bson) -> Option<Uuid> {
     }
 }
 
+/// The `_id`s of documents (as read with an `_id` projection).
+pub fn ids_of(docs: Vec<Document>) -> Vec<Bson> {
+    docs.into_iter()
+        .filter_map(|d| d.get(field::ID).cloned())
+        .collect()
+}
+
 /// An `_id` for logs: the UUID when it is one, else the raw BSON.
 pub fn display_id(id: &Bson) -> String {
     bson_uuid(id)

@@ -359,10 +359,7 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        Ok(docs
-            .into_iter()
-            .filter_map(|d| d.get(field::ID).cloned())
-            .collect())
+        Ok(crate::record::ids_of(docs))
     }
 
     /// Frees one record if `owner` still holds it; `false` means the lease was lost.

@@ -36,6 +36,18 @@ async fn parked_doc(env: &TestEnv, id: Uuid) -> Option<Document> {
         .unwrap()
 }
 
+/// Waits up to 10 s for a failed send of `id` to be counted.
+async fn has_failed_send(env: &TestEnv, id: Uuid) -> bool {
+    eventually(Duration::from_secs(10), || async {
+        attempts_coll(env)
+            .find_one(doc! { "_id": uuid(id) })
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await
+}
+
 /// Fast retries for tests: 200 ms, 400 ms, then parked on the third refusal.
 fn fast_retry(env: &TestEnv) -> Config {
     let mut c = env.config();
@@ -65,14 +77,7 @@ async fn a_refused_record_backs_off_keeping_its_shape_then_is_parked() {
     let daemon = start(config);
 
     // After the first refusal: still in Timeouts, leased until the next attempt, untouched.
-    let counted = eventually(Duration::from_secs(10), || async {
-        attempts_coll(&env)
-            .find_one(doc! { "_id": uuid(id) })
-            .await
-            .unwrap()
-            .is_some()
-    })
-    .await;
+    let counted = has_failed_send(&env, id).await;
     assert!(counted, "the failed send is counted outside the record");
     let held = env.find(id).await.expect("still in Timeouts");
     assert_eq!(held.get_bool("Locked"), Ok(true), "kept leased: {held}");
@@ -129,14 +134,7 @@ async fn a_refused_record_is_sent_once_its_queue_appears() {
     config.retry.cap = Duration::from_millis(500);
     config.retry.max_attempts = 1_000;
     let daemon = start(config);
-    let refused = eventually(Duration::from_secs(10), || async {
-        attempts_coll(&env)
-            .find_one(doc! { "_id": uuid(id) })
-            .await
-            .unwrap()
-            .is_some()
-    })
-    .await;
+    let refused = has_failed_send(&env, id).await;
     assert!(refused);
     env.declare_queue(&later).await;
     let mut consumer = env.consumer_of(&later).await;
