@@ -145,11 +145,16 @@ pub fn claim_filter(
 
 /// Takes a lease.
 pub fn claim_update(lease: &Lease) -> Document {
-    doc! { "$set": {
+    doc! { "$set": leased_fields(lease) }
+}
+
+/// The lease fields of a record held under `lease`, as [`claim_update`] sets them.
+pub fn leased_fields(lease: &Lease) -> Document {
+    doc! {
         field::LOCKED: true,
         field::LOCKED_BY: uuid_bson(lease.owner),
         field::LOCK_EXPIRES_AT: lease.expires_at,
-    } }
+    }
 }
 
 /// Rows held by `owner` whose lease is live at `now`. Every write after a claim adds this.

@@ -51,6 +51,23 @@ pub struct ClaimedRow {
     pub record: Result<TimeoutRecord, DecodeError>,
 }
 
+impl ClaimedRow {
+    /// A row as read back from the collection.
+    fn read(raw: Document, encoding: TimeEncoding) -> Self {
+        Self {
+            id: raw.get(field::ID).cloned().unwrap_or(Bson::Null),
+            record: TimeoutRecord::decode(&raw, encoding),
+            raw,
+        }
+    }
+
+    /// A row read before the claim that the claim took: its lease fields as the claim set them.
+    fn held(mut raw: Document, lease: &Lease, encoding: TimeEncoding) -> Self {
+        raw.extend(lease::leased_fields(lease));
+        Self::read(raw, encoding)
+    }
+}
+
 /// A claimed batch: the lease every row shares, rows oldest first.
 #[derive(Debug, Clone)]
 pub struct Claim {
@@ -65,9 +82,10 @@ pub struct Claim {
 ///
 /// SecantusDB reads every record of the due range before it applies the limit, so a claim
 /// against 50k due records costs 230 ms where a range of 1,000 costs 70 ms. After a claim
-/// that found more than it could take, the next one reads only up to the newest record it
-/// found; a bounded claim that finds less than a batch widens the bound (it always grows, so
-/// every due record is reached), and one that finds nothing drops it. A bounded claim always
+/// that found as many as it could read, the next one reads only as far past them as they
+/// spanned (or, when it read extra to pick from at random, up to the newest it found). A
+/// bounded claim that finds less than a batch widens the bound (it always grows, so every
+/// due record is reached), and one that finds nothing drops it. A bounded claim always
 /// reports `more`, so the loop claims again at once rather than waiting for a poll.
 #[derive(Debug)]
 struct BacklogBound(std::sync::atomic::AtomicI64);
@@ -111,8 +129,15 @@ impl BacklogBound {
             return bound.is_some();
         };
         if dues.len() >= limit {
-            // A backlog: next time read only as far as this claim's records reached.
-            self.set(Some(*last));
+            // A backlog. A claim that read only one batch takes all of it: next time read as
+            // far again past its newest record. One that read more (to pick a random batch
+            // among racing instances) leaves the rest: read only as far as it reached.
+            let reach = if limit > batch {
+                0
+            } else {
+                (last.timestamp_millis() - first.timestamp_millis()).max(1)
+            };
+            self.set(Some(DateTime::from_millis(last.timestamp_millis() + reach)));
             true
         } else if bound.is_some() && dues.len() >= batch / 2 {
             // Draining within the bound: widen it by the span it covered.
@@ -135,29 +160,25 @@ pub const STAMPEDE_SPREAD: u32 = 2;
 /// The batch to try to claim from the oldest `found` records: the oldest `batch_size`; or,
 /// when `spread` (the last claim met a racing instance) and every one found is already
 /// overdue, a random `batch_size` of them. Records due later keep their order: they are sent
-/// at their instant.
+/// at their instant. Returned oldest first.
 fn pick_candidates(
-    found: Vec<Document>,
+    mut found: Vec<Document>,
     batch_size: usize,
     now: DateTime,
     encoding: TimeEncoding,
     spread: bool,
-) -> Vec<Bson> {
+) -> Vec<Document> {
+    found.retain(|d| d.contains_key(field::ID));
     let overdue =
         |d: &Document| TimeoutRecord::decode_due(d, encoding).is_none_or(|due| due <= now);
-    let mut ids: Vec<(Bson, bool)> = found
-        .into_iter()
-        .filter_map(|d| {
-            let late = overdue(&d);
-            d.get(field::ID).cloned().map(|id| (id, late))
-        })
-        .collect();
-    if spread && ids.len() > batch_size && ids.iter().all(|(_, late)| *late) {
+    if spread && found.len() > batch_size && found.iter().all(overdue) {
         use rand::seq::SliceRandom;
-        ids.shuffle(&mut rand::rng());
+        found.shuffle(&mut rand::rng());
+        found.truncate(batch_size);
+        found.sort_by_key(|d| TimeoutRecord::decode_due(d, encoding).map(|t| t.timestamp_millis()));
     }
-    ids.truncate(batch_size);
-    ids.into_iter().map(|(id, _)| id).collect()
+    found.truncate(batch_size);
+    found
 }
 
 /// Counts for `timeoutd stats`.
@@ -329,18 +350,23 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         let now = self.clock.now();
         let lease = Lease::new(now, lease_len);
-        let limit = batch_size.saturating_mul(STAMPEDE_SPREAD);
+        let spread = self.contended.load(Ordering::Relaxed);
+        let limit = if spread {
+            batch_size.saturating_mul(STAMPEDE_SPREAD)
+        } else {
+            batch_size
+        };
         // In a backlog, read only up to where the last claim's records ended (see
         // `BacklogBound`): SecantusDB reads every record in the range before the limit.
         let full_horizon = lease::add(now, look_ahead);
         let bound = self.backlog_bound.get().filter(|b| *b < full_horizon);
         let horizon = bound.unwrap_or(full_horizon);
+        // Whole documents: when the compare-and-swap takes every candidate they are the batch.
         let found: Vec<Document> = self
             .coll
             .find(lease::due_within(now, horizon, self.encoding))
             .sort(doc! { lease::due_sort_key(self.encoding): 1 })
             .limit(i64::from(limit))
-            .projection(doc! { field::ID: 1, field::TIME: 1 })
             .await?
             .try_collect()
             .await?;
@@ -352,8 +378,11 @@ impl Store {
         let bounded_more =
             self.backlog_bound
                 .update(bound, horizon, &dues, limit as usize, batch_size as usize);
-        let spread = self.contended.load(Ordering::Relaxed);
-        let candidates = pick_candidates(found, batch_size as usize, now, self.encoding, spread);
+        let chosen = pick_candidates(found, batch_size as usize, now, self.encoding, spread);
+        let candidates: Vec<Bson> = chosen
+            .iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect();
         if candidates.is_empty() {
             return Ok(Claim {
                 lease,
@@ -376,6 +405,14 @@ impl Store {
         }
         let rows = match taken {
             Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
+            // Every candidate matched the compare-and-swap, so every one is now under this
+            // lease: the documents read are the batch (ServiceConnect changes only the lease
+            // fields of a stored record), and the read-back is skipped.
+            Ok(r) if r.modified_count == candidates.len() as u64 => Ok(chosen
+                .into_iter()
+                .map(|d| ClaimedRow::held(d, &lease, self.encoding))
+                .collect()),
+            // A racing instance took some: read back which are ours.
             Ok(_) => self.read_back(&candidates, &lease).await,
             Err(e) => Err(e),
         };
@@ -409,11 +446,7 @@ impl Store {
             .await?;
         Ok(docs
             .into_iter()
-            .map(|d| ClaimedRow {
-                id: d.get(field::ID).cloned().unwrap_or(Bson::Null),
-                record: TimeoutRecord::decode(&d, self.encoding),
-                raw: d,
-            })
+            .map(|d| ClaimedRow::read(d, self.encoding))
             .collect())
     }
 
@@ -572,7 +605,10 @@ mod tests {
         let b = BacklogBound::default();
         assert_eq!(b.get(), None, "no bound to begin with");
         let dues: Vec<DateTime> = (0..10).map(|i| at(1_000 + i)).collect();
-        // A full read: the next claim reads only up to the newest record found.
+        // A full read of one batch: the next claim reads as far again past its newest record.
+        assert!(b.update(None, at(50_000), &dues, 5, 5));
+        assert_eq!(b.get(), Some(at(1_018)));
+        // A full read of two batches, one taken: the next claim reads up to where it reached.
         assert!(b.update(None, at(50_000), &dues, 10, 5));
         assert_eq!(b.get(), Some(at(1_009)));
         // Half a batch or more under the bound: widen past it.
