@@ -83,6 +83,19 @@ pub fn due_by(due_by: DateTime, encoding: TimeEncoding) -> Document {
     }
 }
 
+/// "`Time` from `from` to `to`", both inclusive. The upper bound comes first: SecantusDB
+/// bounds its index scan by the first operator of the clause only, and a scan bounded above
+/// stops at `to` where one bounded below would run to the newest record. MongoDB uses both.
+pub fn due_between(from: DateTime, to: DateTime, encoding: TimeEncoding) -> Document {
+    match encoding {
+        TimeEncoding::DotnetTicks => doc! { field::TIME_TICKS: {
+            "$lte": ms_to_ticks(to.timestamp_millis()),
+            "$gte": ms_to_ticks(from.timestamp_millis()),
+        } },
+        TimeEncoding::Date => doc! { field::TIME: { "$lte": to, "$gte": from } },
+    }
+}
+
 /// The complement of [`due_by`]: not due yet at `t`.
 pub fn due_after(t: DateTime, encoding: TimeEncoding) -> Document {
     match encoding {
@@ -118,6 +131,17 @@ pub fn due_filter(now: DateTime, encoding: TimeEncoding) -> Document {
 /// Records due after `now` are held under the lease and sent at their due instant.
 pub fn due_within(now: DateTime, horizon: DateTime, encoding: TimeEncoding) -> Document {
     all_of([due_by(horizon, encoding), claimable(now)])
+}
+
+/// [`due_within`] for records due no earlier than `from` (a slice of the due range, see
+/// [`crate::window`]).
+pub fn due_within_from(
+    now: DateTime,
+    from: DateTime,
+    horizon: DateTime,
+    encoding: TimeEncoding,
+) -> Document {
+    all_of([due_between(from, horizon, encoding), claimable(now)])
 }
 
 /// The clauses joined by an explicit `$and`. The same query as one document of implicit

@@ -8,7 +8,7 @@
 //! - [`record`], the ServiceConnect document and its decoding;
 //! - [`lease`], the lease rules (claim, guarded remove and release, reap) in one place;
 //! - [`clock`], the database server's clock;
-//! - [`store`], the MongoDB collection;
+//! - [`store`], the MongoDB collection, and [`window`], which part of it a claim reads;
 //! - [`message`], the `TimeoutMessage` wire format;
 //! - [`publisher`], RabbitMQ with publisher confirms;
 //! - [`dispatch`], the dispatch loop;
@@ -38,3 +38,4 @@ pub mod shutdown;
 pub mod store;
 pub mod systemd;
 pub mod wakeup;
+pub mod window;

@@ -5,7 +5,6 @@
 //! `$set`s the three lock fields of an existing record and deletes by `_id`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
@@ -20,6 +19,7 @@ use crate::clock::ServerClock;
 use crate::config::{MongoConfig, TimeEncoding};
 use crate::lease::{self, Lease};
 use crate::record::{DecodeError, TimeoutRecord, field};
+use crate::window::{self, ReadWindow};
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
 pub const DUE_INDEX: &str = "timeoutd_due";
@@ -78,109 +78,6 @@ pub struct Claim {
     pub more: bool,
 }
 
-/// An upper bound on the due range a claim reads while draining a backlog.
-///
-/// SecantusDB reads every record of the due range before it applies the limit, so a claim
-/// against 50k due records costs 230 ms where a range of 1,000 costs 70 ms. After a claim
-/// that found as many as it could read, the next one reads only as far past them as they
-/// spanned (or, when it read extra to pick from at random, up to the newest it found). A
-/// bounded claim that finds less than a batch widens the bound (it always grows, so every
-/// due record is reached), and one that finds nothing drops it. A bounded claim always
-/// reports `more`, so the loop claims again at once rather than waiting for a poll.
-#[derive(Debug)]
-struct BacklogBound(std::sync::atomic::AtomicI64);
-
-impl Default for BacklogBound {
-    fn default() -> Self {
-        Self(std::sync::atomic::AtomicI64::new(Self::NONE))
-    }
-}
-
-impl BacklogBound {
-    const NONE: i64 = i64::MIN;
-
-    fn get(&self) -> Option<DateTime> {
-        match self.0.load(Ordering::Relaxed) {
-            Self::NONE => None,
-            ms => Some(DateTime::from_millis(ms)),
-        }
-    }
-
-    fn set(&self, bound: Option<DateTime>) {
-        self.0.store(
-            bound.map_or(Self::NONE, |b| b.timestamp_millis()),
-            Ordering::Relaxed,
-        );
-    }
-
-    /// Sets the bound for the next claim from what this one found (`dues`, oldest first)
-    /// under `bound`/`horizon`. Returns whether the next claim should come at once.
-    fn update(
-        &self,
-        bound: Option<DateTime>,
-        horizon: DateTime,
-        dues: &[DateTime],
-        limit: usize,
-        batch: usize,
-    ) -> bool {
-        let (Some(first), Some(last)) = (dues.first(), dues.last()) else {
-            // Nothing under the bound: read the whole due range next time.
-            self.set(None);
-            return bound.is_some();
-        };
-        if dues.len() >= limit {
-            // A backlog. A claim that read only one batch takes all of it: next time read as
-            // far again past its newest record. One that read more (to pick a random batch
-            // among racing instances) leaves the rest: read only as far as it reached.
-            let reach = if limit > batch {
-                0
-            } else {
-                (last.timestamp_millis() - first.timestamp_millis()).max(1)
-            };
-            self.set(Some(DateTime::from_millis(last.timestamp_millis() + reach)));
-            true
-        } else if bound.is_some() && dues.len() >= batch / 2 {
-            // Draining within the bound: widen it by the span it covered.
-            let span = (horizon.timestamp_millis() - first.timestamp_millis()).max(1_000);
-            self.set(Some(DateTime::from_millis(
-                horizon.timestamp_millis() + span,
-            )));
-            true
-        } else {
-            self.set(None);
-            bound.is_some()
-        }
-    }
-}
-
-/// How many batches of the oldest due records a claim reads, to pick one batch from at
-/// random when they are all overdue.
-pub const STAMPEDE_SPREAD: u32 = 2;
-
-/// The batch to try to claim from the oldest `found` records: the oldest `batch_size`; or,
-/// when `spread` (the last claim met a racing instance) and every one found is already
-/// overdue, a random `batch_size` of them. Records due later keep their order: they are sent
-/// at their instant. Returned oldest first.
-fn pick_candidates(
-    mut found: Vec<Document>,
-    batch_size: usize,
-    now: DateTime,
-    encoding: TimeEncoding,
-    spread: bool,
-) -> Vec<Document> {
-    found.retain(|d| d.contains_key(field::ID));
-    let overdue =
-        |d: &Document| TimeoutRecord::decode_due(d, encoding).is_none_or(|due| due <= now);
-    if spread && found.len() > batch_size && found.iter().all(overdue) {
-        use rand::seq::SliceRandom;
-        found.shuffle(&mut rand::rng());
-        found.truncate(batch_size);
-        found.sort_by_key(|d| TimeoutRecord::decode_due(d, encoding).map(|t| t.timestamp_millis()));
-    }
-    found.truncate(batch_size);
-    found
-}
-
 /// Counts for `timeoutd stats`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Stats {
@@ -209,9 +106,7 @@ pub struct Store {
     attempts: Collection<Document>,
     encoding: TimeEncoding,
     clock: ServerClock,
-    /// The last claim lost records to a racing instance: pick the next batch at random.
-    contended: Arc<AtomicBool>,
-    backlog_bound: Arc<BacklogBound>,
+    window: Arc<ReadWindow>,
 }
 
 impl Store {
@@ -257,8 +152,7 @@ impl Store {
             attempts,
             encoding: config.time_encoding,
             clock,
-            contended: Arc::new(AtomicBool::new(false)),
-            backlog_bound: Arc::new(BacklogBound::default()),
+            window: Arc::new(ReadWindow::default()),
         })
     }
 
@@ -337,11 +231,9 @@ impl Store {
     /// [`Store::claim`] for records due within `look_ahead` from now as well; they are held
     /// under the lease until their due instant.
     ///
-    /// Against a backlog, several instances reading the same oldest candidates would all race
-    /// for one batch and all but one come away empty. So a claim reads the oldest
-    /// `STAMPEDE_SPREAD` batches, and after a claim that lost records to a racing instance it
-    /// takes a random batch of them instead of the oldest, so concurrent claims mostly take
-    /// different records. Alone, an instance always takes the oldest.
+    /// Alone, an instance takes the oldest due records. After a claim that lost records to a
+    /// racing instance it reads a random slice of the backlog instead, so that concurrent
+    /// claims mostly take different records ([`crate::window`]).
     pub async fn claim_window(
         &self,
         batch_size: u32,
@@ -350,23 +242,23 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         let now = self.clock.now();
         let lease = Lease::new(now, lease_len);
-        let spread = self.contended.load(Ordering::Relaxed);
-        let limit = if spread {
-            batch_size.saturating_mul(STAMPEDE_SPREAD)
-        } else {
-            batch_size
+        // While a backlog drains, read only about one batch past the last one, or a random
+        // slice after meeting a racing instance (see `crate::window`).
+        let contended = self.window.contended();
+        let slice = rand::random_range(0..window::SLICES);
+        let range = self
+            .window
+            .range(lease::add(now, look_ahead), contended, slice);
+        let filter = match range.from {
+            Some(from) => lease::due_within_from(now, from, range.to, self.encoding),
+            None => lease::due_within(now, range.to, self.encoding),
         };
-        // In a backlog, read only up to where the last claim's records ended (see
-        // `BacklogBound`): SecantusDB reads every record in the range before the limit.
-        let full_horizon = lease::add(now, look_ahead);
-        let bound = self.backlog_bound.get().filter(|b| *b < full_horizon);
-        let horizon = bound.unwrap_or(full_horizon);
         // Whole documents: when the compare-and-swap takes every candidate they are the batch.
         let found: Vec<Document> = self
             .coll
-            .find(lease::due_within(now, horizon, self.encoding))
+            .find(filter)
             .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .limit(i64::from(limit))
+            .limit(i64::from(batch_size))
             .await?
             .try_collect()
             .await?;
@@ -375,10 +267,13 @@ impl Store {
             .iter()
             .filter_map(|d| TimeoutRecord::decode_due(d, self.encoding))
             .collect();
-        let bounded_more =
-            self.backlog_bound
-                .update(bound, horizon, &dues, limit as usize, batch_size as usize);
-        let chosen = pick_candidates(found, batch_size as usize, now, self.encoding, spread);
+        let windowed_more = self
+            .window
+            .update(&range, &dues, found_count >= batch_size as usize);
+        let chosen: Vec<Document> = found
+            .into_iter()
+            .filter(|d| d.contains_key(field::ID))
+            .collect();
         let candidates: Vec<Bson> = chosen
             .iter()
             .filter_map(|d| d.get(field::ID).cloned())
@@ -387,21 +282,20 @@ impl Store {
             return Ok(Claim {
                 lease,
                 rows: Vec::new(),
-                more: bounded_more,
+                more: windowed_more,
             });
         }
         let taken = self
             .coll
             .update_many(
-                lease::claim_filter(now, horizon, self.encoding, &candidates),
+                lease::claim_filter(now, range.to, self.encoding, &candidates),
                 lease::claim_update(&lease),
             )
             .await;
-        if let Ok(r) = &taken {
-            self.contended.store(
-                r.modified_count < candidates.len() as u64,
-                Ordering::Relaxed,
-            );
+        if let Ok(r) = &taken
+            && r.modified_count < candidates.len() as u64
+        {
+            self.window.raced();
         }
         let rows = match taken {
             Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
@@ -418,7 +312,7 @@ impl Store {
         };
         match rows {
             Ok(rows) => Ok(Claim {
-                more: bounded_more || found_count > rows.len(),
+                more: windowed_more || found_count > rows.len(),
                 lease,
                 rows,
             }),
@@ -590,36 +484,4 @@ impl Store {
 /// A time `d` after the server's `now`.
 pub fn server_time_in(clock: &ServerClock, d: Duration) -> DateTime {
     lease::add(clock.now(), d)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn at(ms: i64) -> DateTime {
-        DateTime::from_millis(ms)
-    }
-
-    #[test]
-    fn the_backlog_bound_narrows_widens_and_drops_but_never_strands_a_record() {
-        let b = BacklogBound::default();
-        assert_eq!(b.get(), None, "no bound to begin with");
-        let dues: Vec<DateTime> = (0..10).map(|i| at(1_000 + i)).collect();
-        // A full read of one batch: the next claim reads as far again past its newest record.
-        assert!(b.update(None, at(50_000), &dues, 5, 5));
-        assert_eq!(b.get(), Some(at(1_018)));
-        // A full read of two batches, one taken: the next claim reads up to where it reached.
-        assert!(b.update(None, at(50_000), &dues, 10, 5));
-        assert_eq!(b.get(), Some(at(1_009)));
-        // Half a batch or more under the bound: widen past it.
-        assert!(b.update(Some(at(1_009)), at(1_009), &dues[5..], 10, 5));
-        let widened = b.get().unwrap();
-        assert!(widened > at(1_009), "{widened:?}");
-        // Little under the bound: read the whole range next time, at once.
-        assert!(b.update(Some(widened), widened, &dues[..1], 10, 5));
-        assert_eq!(b.get(), None);
-        // Nothing due and no bound: wait for the poll.
-        assert!(!b.update(None, at(50_000), &[], 10, 5));
-        assert_eq!(b.get(), None);
-    }
 }

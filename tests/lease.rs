@@ -3,11 +3,12 @@
 
 mod common;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::{Bson, doc};
 use common::*;
+use futures::TryStreamExt;
 use timeoutd::clock::ServerClock;
 use timeoutd::config::TimeEncoding;
 use timeoutd::store::{Claim, Store, StoreError};
@@ -347,5 +348,95 @@ async fn due_query_scans_timeoutds_index_in_order_and_stops_at_the_batch() {
         Some(batch),
         "the scan stops after one batch, not at the 3,600 records: {stats}"
     );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn successive_claims_drain_a_backlog_oldest_first_skipping_nothing() {
+    let env = TestEnv::new().await;
+    // 1,050 due records, unevenly spaced (runs of equal due times, then gaps), so that the
+    // read window of each claim after the first is set from the one before.
+    let base = bson::DateTime::now().timestamp_millis();
+    let mut expected: Vec<(i64, Uuid)> = (0..1_050)
+        .map(|i: i64| (-600_000 + (i / 7) * 40 + (i % 3) * (i % 11), Uuid::new_v4()))
+        .collect();
+    let docs = expected
+        .iter()
+        .map(|(ms, id)| {
+            let due = bson::DateTime::from_millis(base + ms);
+            v7_record(*id, "q", Uuid::new_v4(), due, doc! {})
+        })
+        .collect();
+    env.insert(docs).await;
+    expected.sort();
+    let s = store(&env).await;
+    let mut seen: Vec<Uuid> = Vec::new();
+    let mut claims = 0;
+    loop {
+        let claim = s.claim(100, Duration::from_secs(60)).await.unwrap();
+        claims += 1;
+        assert!(claims < 60, "the drain must end");
+        seen.extend(ids_of(&claim));
+        if !claim.more {
+            assert!(claim.rows.is_empty() || seen.len() == expected.len());
+            break;
+        }
+    }
+    let unique: HashSet<&Uuid> = seen.iter().collect();
+    assert_eq!(unique.len(), seen.len(), "no record claimed twice");
+    assert_eq!(seen.len(), expected.len(), "every due record claimed");
+    let order: HashMap<Uuid, i64> = expected.iter().map(|(ms, id)| (*id, *ms)).collect();
+    let dues: Vec<i64> = seen.iter().map(|id| order[id]).collect();
+    assert!(
+        dues.windows(2).all(|w| w[0] <= w[1]),
+        "alone, an instance claims oldest first across claims"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_slice_of_the_due_range_holds_only_claimable_records_within_both_bounds() {
+    let env = TestEnv::new().await;
+    let s = store(&env).await;
+    s.ensure_indexes().await.unwrap();
+    // Due 10 s, 9 s, ... 1 s ago; the one due 6 s ago is under a live lease.
+    let ids: Vec<Uuid> = (0..10).map(|_| Uuid::new_v4()).collect();
+    let dues: Vec<_> = (0..10).map(|i| in_ms(-10_000 + 1_000 * i)).collect();
+    let docs = ids
+        .iter()
+        .zip(&dues)
+        .enumerate()
+        .map(|(i, (id, due))| {
+            let mut d = v7_record(*id, "q", Uuid::new_v4(), *due, doc! {});
+            if i == 4 {
+                d.insert("Locked", true);
+                d.insert("LockedBy", uuid(Uuid::new_v4()));
+                d.insert("LockExpiresAt", in_ms(60_000));
+            }
+            d
+        })
+        .collect();
+    env.insert(docs).await;
+    let now = s.clock().now();
+    for (lo, hi) in [(2, 6), (0, 9), (7, 7)] {
+        let filter =
+            timeoutd::lease::due_within_from(now, dues[lo], dues[hi], TimeEncoding::DotnetTicks);
+        let found: HashSet<Uuid> = env
+            .coll
+            .find(filter)
+            .await
+            .unwrap()
+            .try_collect::<Vec<_>>()
+            .await
+            .unwrap()
+            .iter()
+            .filter_map(|d| timeoutd::record::bson_uuid(d.get("_id")?))
+            .collect();
+        let want: HashSet<Uuid> = (lo..=hi).filter(|i| *i != 4).map(|i| ids[i]).collect();
+        assert_eq!(
+            found, want,
+            "records due from #{lo} to #{hi}, both inclusive"
+        );
+    }
     env.cleanup().await;
 }
