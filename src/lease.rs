@@ -124,24 +124,23 @@ pub fn claimable(now: DateTime) -> Document {
 
 /// Due at `now` and claimable at `now`.
 pub fn due_filter(now: DateTime, encoding: TimeEncoding) -> Document {
-    due_within(now, now, encoding)
+    due_within(now, None, now, encoding)
 }
 
-/// Due by `horizon` (`now` plus the look-ahead) and claimable at `now`: what a claim takes.
-/// Records due after `now` are held under the lease and sent at their due instant.
-pub fn due_within(now: DateTime, horizon: DateTime, encoding: TimeEncoding) -> Document {
-    all_of([due_by(horizon, encoding), claimable(now)])
-}
-
-/// [`due_within`] for records due no earlier than `from` (a slice of the due range, see
-/// [`crate::window`]).
-pub fn due_within_from(
+/// Due by `horizon` (`now` plus the look-ahead), and no earlier than `from` when set (a
+/// slice of the due range, see [`crate::window`]), and claimable at `now`: what a claim
+/// takes. Records due after `now` are held under the lease and sent at their due instant.
+pub fn due_within(
     now: DateTime,
-    from: DateTime,
+    from: Option<DateTime>,
     horizon: DateTime,
     encoding: TimeEncoding,
 ) -> Document {
-    all_of([due_between(from, horizon, encoding), claimable(now)])
+    let due = match from {
+        Some(from) => due_between(from, horizon, encoding),
+        None => due_by(horizon, encoding),
+    };
+    all_of([due, claimable(now)])
 }
 
 /// The clauses joined by an explicit `$and`. The same query as one document of implicit

@@ -27,7 +27,8 @@ use crate::store::StoreError;
 /// the end leaves its count behind; MongoDB's TTL monitor removes it after this.
 pub const ATTEMPTS_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// Fields of a parked document.
+/// Fields of a document in `<collection>_parked` (the record itself is kept unchanged under
+/// `record`). Never written to a `Timeouts` document.
 pub mod parked_field {
     pub const RECORD: &str = "record";
     pub const REASON: &str = "reason";
@@ -36,7 +37,8 @@ pub mod parked_field {
     pub const PARKED_AT: &str = "parked_at";
 }
 
-/// Fields of a failed-send count.
+/// Fields of a failed-send count in `<collection>_attempts`, whose `_id` is the record's
+/// `_id`. Never written to a `Timeouts` document.
 mod attempt_field {
     pub const ATTEMPTS: &str = "attempts";
     pub const LAST_ERROR: &str = "last_error";

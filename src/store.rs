@@ -244,19 +244,12 @@ impl Store {
         let lease = Lease::new(now, lease_len);
         // While a backlog drains, read only about one batch past the last one, or a random
         // slice after meeting a racing instance (see `crate::window`).
-        let contended = self.window.contended();
         let slice = rand::random_range(0..window::SLICES);
-        let range = self
-            .window
-            .range(lease::add(now, look_ahead), contended, slice);
-        let filter = match range.from {
-            Some(from) => lease::due_within_from(now, from, range.to, self.encoding),
-            None => lease::due_within(now, range.to, self.encoding),
-        };
+        let range = self.window.range(lease::add(now, look_ahead), slice);
         // Whole documents: when the compare-and-swap takes every candidate they are the batch.
         let found: Vec<Document> = self
             .coll
-            .find(filter)
+            .find(lease::due_within(now, range.from, range.to, self.encoding))
             .sort(doc! { lease::due_sort_key(self.encoding): 1 })
             .limit(i64::from(batch_size))
             .await?
@@ -270,11 +263,7 @@ impl Store {
         let windowed_more = self
             .window
             .update(&range, &dues, found_count >= batch_size as usize);
-        let chosen: Vec<Document> = found
-            .into_iter()
-            .filter(|d| d.contains_key(field::ID))
-            .collect();
-        let candidates: Vec<Bson> = chosen
+        let candidates: Vec<Bson> = found
             .iter()
             .filter_map(|d| d.get(field::ID).cloned())
             .collect();
@@ -302,7 +291,7 @@ impl Store {
             // Every candidate matched the compare-and-swap, so every one is now under this
             // lease: the documents read are the batch (ServiceConnect changes only the lease
             // fields of a stored record), and the read-back is skipped.
-            Ok(r) if r.modified_count == candidates.len() as u64 => Ok(chosen
+            Ok(r) if r.modified_count == candidates.len() as u64 => Ok(found
                 .into_iter()
                 .map(|d| ClaimedRow::held(d, &lease, self.encoding))
                 .collect()),

@@ -53,6 +53,12 @@ struct State {
     raced_at: Option<Instant>,
 }
 
+impl State {
+    fn contended(&self) -> bool {
+        self.raced_at.is_some_and(|t| t.elapsed() < RACE_MEMORY)
+    }
+}
+
 impl ReadWindow {
     /// Notes that a claim lost records to a racing instance.
     pub fn raced(&self) {
@@ -60,25 +66,25 @@ impl ReadWindow {
     }
 
     /// Whether claims are reading random slices.
-    pub fn contended(&self) -> bool {
-        self.lock()
-            .raced_at
-            .is_some_and(|t| t.elapsed() < RACE_MEMORY)
+    #[cfg(test)]
+    fn contended(&self) -> bool {
+        self.lock().contended()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The range the next claim reads, given its full horizon (now plus the look-ahead),
-    /// whether claims are contended, and a random slice number in `0..SLICES`.
-    pub fn range(&self, horizon: DateTime, contended: bool, slice: i64) -> Range {
+    /// The range the next claim reads, given its full horizon (now plus the look-ahead) and
+    /// a random slice number in `0..SLICES` (used while claims are contended).
+    pub fn range(&self, horizon: DateTime, slice: i64) -> Range {
         let full = Range {
             from: None,
             to: horizon,
             bounded: false,
         };
         let mut guard = self.lock();
+        let contended = guard.contended();
         let state = &mut guard.bound;
         let Some(b) = *state else {
             return full;
@@ -164,25 +170,25 @@ mod tests {
     #[test]
     fn a_full_read_bounds_the_next_one_past_the_last_record() {
         let w = ReadWindow::default();
-        let r = w.range(at(50_000), false, 0);
+        let r = w.range(at(50_000), 0);
         assert_eq!((r.from, r.to), (None, at(50_000)), "no bound to begin with");
         assert!(w.update(&r, &dues(1_000, 10), true));
         // As far again past the newest record read (1,009 + 9).
-        let r = w.range(at(50_000), false, 0);
+        let r = w.range(at(50_000), 0);
         assert_eq!((r.from, r.to), (None, at(1_018)));
     }
 
     #[test]
     fn a_thin_bounded_read_moves_the_bound_on_until_the_horizon_drops_it() {
         let w = ReadWindow::default();
-        let r = w.range(at(2_000), false, 0);
+        let r = w.range(at(2_000), 0);
         w.update(&r, &dues(1_000, 10), true);
-        let mut r = w.range(at(2_000), false, 0);
+        let mut r = w.range(at(2_000), 0);
         let mut last = r.to;
         let mut steps = 0;
         while r.to < at(2_000) || r.from.is_some() {
             assert!(w.update(&r, &dues(last.timestamp_millis(), 1), false));
-            r = w.range(at(2_000), false, 0);
+            r = w.range(at(2_000), 0);
             assert!(r.to > last || r.to == at(2_000), "the bound only grows");
             last = r.to;
             steps += 1;
@@ -199,31 +205,33 @@ mod tests {
     #[test]
     fn a_contended_claim_reads_a_slice_past_the_bound_or_from_the_start() {
         let w = ReadWindow::default();
-        let r = w.range(at(100_000), false, 0);
+        let r = w.range(at(100_000), 0);
         w.update(&r, &dues(1_000, 100), true); // bound 1,198, span 99
-        let start = w.range(at(100_000), true, 0);
-        assert_eq!((start.from, start.to), (None, at(1_198)));
-        let s1 = w.range(at(100_000), true, 1);
-        assert_eq!((s1.from, s1.to), (Some(at(1_198)), at(1_297)));
-        let s3 = w.range(at(100_000), true, 3);
-        assert_eq!((s3.from, s3.to), (Some(at(1_396)), at(1_495)));
         // Uncontended claims always read from the start.
-        let plain = w.range(at(100_000), false, 3);
+        let plain = w.range(at(100_000), 3);
         assert_eq!(plain.from, None);
+        w.raced();
+        let start = w.range(at(100_000), 0);
+        assert_eq!((start.from, start.to), (None, at(1_198)));
+        let s1 = w.range(at(100_000), 1);
+        assert_eq!((s1.from, s1.to), (Some(at(1_198)), at(1_297)));
+        let s3 = w.range(at(100_000), 3);
+        assert_eq!((s3.from, s3.to), (Some(at(1_396)), at(1_495)));
     }
 
     #[test]
     fn a_slice_never_reads_past_the_horizon() {
         let w = ReadWindow::default();
-        let r = w.range(at(1_250), false, 0);
+        let r = w.range(at(1_250), 0);
         w.update(&r, &dues(1_000, 100), true); // bound 1,198, span 99
-        let s3 = w.range(at(1_250), true, 3);
+        w.raced();
+        let s3 = w.range(at(1_250), 3);
         assert_eq!(
             (s3.from, s3.to),
             (None, at(1_198)),
             "slice 3 starts past the horizon"
         );
-        let s1 = w.range(at(1_250), true, 1);
+        let s1 = w.range(at(1_250), 1);
         assert_eq!((s1.from, s1.to), (Some(at(1_198)), at(1_250)));
     }
 
@@ -240,7 +248,7 @@ mod tests {
     #[test]
     fn an_unbounded_read_that_is_not_full_leaves_no_window() {
         let w = ReadWindow::default();
-        let r = w.range(at(50_000), false, 0);
+        let r = w.range(at(50_000), 0);
         assert!(!w.update(&r, &dues(1_000, 3), false));
         assert!(!w.update(&r, &[], false));
         assert_eq!(w.bound(), None);

@@ -308,7 +308,7 @@ async fn due_query_scans_timeoutds_index_in_order_and_stops_at_the_batch() {
         .run_command(doc! {
             "explain": {
                 "find": "Timeouts",
-                "filter": timeoutd::lease::due_within(now, now, TimeEncoding::DotnetTicks),
+                "filter": timeoutd::lease::due_within(now, None, now, TimeEncoding::DotnetTicks),
                 "sort": { timeoutd::lease::due_sort_key(TimeEncoding::DotnetTicks): 1 },
                 "limit": batch,
                 "projection": { "_id": 1, "Time": 1 },
@@ -422,7 +422,7 @@ async fn a_slice_of_the_due_range_holds_only_claimable_records_within_both_bound
     let now = s.clock().now();
     for (lo, hi) in [(2, 6), (0, 9), (7, 7)] {
         let filter =
-            timeoutd::lease::due_within_from(now, dues[lo], dues[hi], TimeEncoding::DotnetTicks);
+            timeoutd::lease::due_within(now, Some(dues[lo]), dues[hi], TimeEncoding::DotnetTicks);
         let found: HashSet<Uuid> = env
             .coll
             .find(filter)
