@@ -237,6 +237,8 @@ impl Ctx {
         MongoConfig {
             uri: self.mongo_uri.clone(),
             database: db.to_string(),
+            // The records are v7's [ticks, 0]; "auto" would add a date index.
+            time_encoding: TimeEncoding::DotnetTicks,
             ..MongoConfig::default()
         }
     }
@@ -667,6 +669,8 @@ fn daemon_env(ctx: &Ctx, db: &str, port: u16) -> Vec<(String, String)> {
     for (key, default) in [
         ("TIMEOUTD_DISPATCH__POLL_INTERVAL", "1s"),
         ("TIMEOUTD_DISPATCH__BATCH_SIZE", "500"),
+        // The records are v7's [ticks, 0], as before "auto" became the default.
+        ("TIMEOUTD_MONGODB__TIME_ENCODING", "dotnet-ticks"),
     ] {
         if std::env::var(key).is_err() {
             env.push((key.into(), default.into()));
@@ -888,7 +892,7 @@ fn build_messages(rabbit: &RabbitConfig, records: &[TimeoutRecord]) -> Vec<Outgo
     let now = SystemTime::now();
     records
         .iter()
-        .map(|r| message::build(r, rabbit, now))
+        .filter_map(|r| message::build(r, rabbit, now, message::DEFAULT_FRAME_MAX).ok())
         .collect()
 }
 
@@ -1101,7 +1105,13 @@ impl V7Poller {
                 }
                 let r = TimeoutRecord::decode(&doc, TimeEncoding::DotnetTicks)
                     .map_err(|e| anyhow!("baseline decode: {e}"))?;
-                let m = message::build(&r, &self.rabbit, SystemTime::now());
+                let m = message::build(
+                    &r,
+                    &self.rabbit,
+                    SystemTime::now(),
+                    message::DEFAULT_FRAME_MAX,
+                )
+                .map_err(|e| anyhow!("baseline message: {e}"))?;
                 let t = Instant::now();
                 let confirm = self
                     .channel

@@ -3,7 +3,10 @@
 # given, checks RabbitMQ, schedules a handful of timeouts a few seconds ahead with
 # `timeoutd schedule`, and runs `timeoutd run` so you can watch them fire.
 #
-# Environment: TIMEOUTD_MONGODB__URI (default: a secantusd-rs started here),
+# Environment: TIMEOUTD_MONGODB__URI (default: a test MongoDB started here: secantusd-rs
+#                when it is built, else SecantusDB's Python server secantusd-py, which
+#                installs in seconds where secantusd-rs takes minutes to build),
+#              DEMO_SERVER=python to use secantusd-py even when secantusd-rs is built,
 #              TIMEOUTD_RABBITMQ__URI (default: amqp://guest:guest@127.0.0.1:5672/%2f),
 #              DEMO_QUEUE (default: timeoutd-demo), DEMO_COUNT (default: 5),
 #              DEMO_KEEP_RUNNING=1 to leave the daemon running until Ctrl-C.
@@ -27,10 +30,16 @@ cargo build --quiet --bin timeoutd --example consume
 bin=target/debug/timeoutd
 
 if [ -z "${TIMEOUTD_MONGODB__URI:-}" ]; then
-  echo "== no TIMEOUTD_MONGODB__URI: starting the test MongoDB (secantusd-rs)"
-  TIMEOUTD_MONGODB__URI="$(scripts/start-test-mongodb.sh "$work/mongo")"
+  if command -v secantusd-rs >/dev/null 2>&1 && [ "${DEMO_SERVER:-}" != "python" ]; then
+    echo "== no TIMEOUTD_MONGODB__URI: starting the test MongoDB (secantusd-rs)"
+    TIMEOUTD_MONGODB__URI="$(scripts/start-test-mongodb.sh "$work/mongo")"
+  else
+    echo "== no TIMEOUTD_MONGODB__URI and secantusd-rs is not built (scripts/test.sh builds it,"
+    echo "   about six minutes): starting SecantusDB's Python server, secantusd-py, instead"
+    TIMEOUTD_MONGODB__URI="$(scripts/start-secantus-py.sh "$work/mongo")"
+  fi
   export TIMEOUTD_MONGODB__URI
-  export TIMEOUTD_MONGODB__DATABASE="${TIMEOUTD_MONGODB__DATABASE:-RMessageBusPersistentStore}"
+  export TIMEOUTD_MONGODB__DATABASE="${TIMEOUTD_MONGODB__DATABASE:-RMessageBusPersistantStore}"
 fi
 echo "   MongoDB: $TIMEOUTD_MONGODB__URI"
 

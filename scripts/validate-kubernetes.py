@@ -9,9 +9,9 @@ status is 1 and each problem is printed as `file: kind/name: field.path: message
 
 - Built-in kinds are checked with kubernetes-validate's bundled JSON schemas in strict mode
   (unknown fields are errors), against every Kubernetes version in KUBERNETES_VERSIONS.
-- ServiceMonitor (monitoring.coreos.com/v1) is checked with the pydantic models that
-  cloudcoil-models-prometheus-operator generates from the prometheus-operator CRDs, with
-  extra fields forbidden and field names only as spelled in the CRD.
+- ServiceMonitor and PrometheusRule (monitoring.coreos.com/v1) are checked with the pydantic
+  models that cloudcoil-models-prometheus-operator generates from the prometheus-operator
+  CRDs, with extra fields forbidden and field names only as spelled in the CRD.
 - A kind with no schema here is an error, not a warning.
 - kustomization.yaml: only Kustomization fields, every listed resource exists once, and every
   manifest beside it is listed, except *.example.yaml (examples are never applied).
@@ -34,6 +34,7 @@ KUBERNETES_VERSIONS = ["1.25.0", "1.37.0"]
 
 CUSTOM_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring_v1.ServiceMonitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): monitoring_v1.PrometheusRule,
 }
 
 # The fields of kustomize's Kustomization (sigs.k8s.io/kustomize/api/types).

@@ -14,8 +14,9 @@ use uuid::Uuid;
 
 use crate::clock::ServerClock;
 use crate::config::{Config, LogFormat};
-use crate::parking::{Parking, Requeued};
+use crate::parking::Requeued;
 use crate::record::{TimeoutRecord, display_id};
+use crate::redact::{RedactingWriter, redact_text};
 use crate::store::{Store, server_time_in};
 use crate::{daemon, shutdown};
 
@@ -51,7 +52,8 @@ pub enum Command {
         #[arg(long = "header", value_name = "K=V", value_parser = parse_header)]
         headers: Vec<(String, String)>,
     },
-    /// Counts of pending, due, leased and expired-lease records, and the oldest due age.
+    /// Counts of pending, due, leased, expired-lease, stuck and unschedulable records, and
+    /// the oldest due age.
     Stats {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -106,10 +108,13 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
 
 /// Runs a parsed command line and returns the process exit code.
 pub fn main(cli: Cli) -> ExitCode {
+    // Test builds only: failpoints named in the FAILPOINTS environment variable.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let config = match Config::load(cli.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("{}", redact_text(&e.to_string()));
             return ExitCode::from(2);
         }
     };
@@ -121,7 +126,7 @@ pub fn main(cli: Cli) -> ExitCode {
         Command::Health { url } => return probe_health(url.as_deref(), &config),
         _ => {}
     }
-    init_logging(&config);
+    init_logging(&config, matches!(cli.command, Command::Run));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -135,8 +140,9 @@ pub fn main(cli: Cli) -> ExitCode {
     match runtime.block_on(execute(cli.command, config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("timeoutd: error: {e:#}");
+            let shown = redact_text(&format!("{e:#}"));
+            tracing::error!("{shown}");
+            eprintln!("timeoutd: error: {shown}");
             ExitCode::FAILURE
         }
     }
@@ -171,34 +177,56 @@ fn probe_health(url: Option<&str>, config: &Config) -> ExitCode {
     }
 }
 
-fn init_logging(config: &Config) {
+/// Logging to stderr through [`RedactingWriter`]. `[log] level` applies to the daemon; a
+/// one-shot command (stats, schedule, reap, parked) logs warnings and errors only, unless the
+/// level is quieter still, so its stderr stays empty when it succeeds. `RUST_LOG` overrides
+/// both.
+fn init_logging(config: &Config, daemon: bool) {
     // lapin logs every returned message in full at WARN; timeoutd logs the failed send itself.
     let from_env = std::env::var("RUST_LOG")
         .ok()
         .filter(|v| !v.trim().is_empty())
         .and_then(|v| tracing_subscriber::EnvFilter::try_new(v).ok());
+    let level = match config.log.level.as_str() {
+        quieter @ ("error" | "off") => quieter,
+        _ if !daemon => "warn",
+        level => level,
+    };
     let filter = from_env.unwrap_or_else(|| {
-        tracing_subscriber::EnvFilter::new(format!(
-            "{},lapin::returned_messages=error",
-            config.log.level
-        ))
+        tracing_subscriber::EnvFilter::new(format!("{level},lapin::returned_messages=error"))
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(RedactingWriter);
     match config.log.format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }
 
-async fn connected_store(config: &Config) -> anyhow::Result<Store> {
-    let store = Store::connect(&config.mongodb, ServerClock::default()).await?;
-    store
-        .refresh_clock()
+/// How long a one-shot command waits for the MongoDB client to end its sessions.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connects, checks MongoDB answers, runs `action`, and closes the client before the runtime
+/// ends, whatever `action` returned ([`Store::close`]).
+async fn with_store<T>(
+    config: &Config,
+    action: impl AsyncFnOnce(&Store) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let store = Store::connect(&config.mongodb, ServerClock::default())
+        .await?
+        .with_settings(config);
+    let result = match store
+        .bounded("read the server clock", store.refresh_clock())
         .await
-        .context("cannot reach MongoDB")?;
-    Ok(store)
+    {
+        Ok(_) => action(&store).await,
+        Err(e) => Err(anyhow::Error::new(e).context("cannot reach MongoDB")),
+    };
+    if !store.close(CLOSE_TIMEOUT).await {
+        tracing::debug!("the MongoDB client did not close within {CLOSE_TIMEOUT:?}");
+    }
+    result
 }
 
 async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
@@ -218,25 +246,32 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             delay,
             headers,
         } => {
-            let store = connected_store(&config).await?;
-            let mut header_doc = Document::new();
-            for (k, v) in headers {
-                header_doc.insert(k, v);
-            }
-            let record = TimeoutRecord {
-                id: Uuid::new_v4(),
-                destination,
-                process_manager_id: correlation_id,
-                due: server_time_in(store.clock(), delay),
-                headers: header_doc,
-            };
-            store.insert(&record).await.context("insert failed")?;
-            println!("{}", record.id);
-            Ok(())
+            with_store(&config, async |store| {
+                let mut header_doc = Document::new();
+                for (k, v) in headers {
+                    header_doc.insert(k, v);
+                }
+                let record = TimeoutRecord {
+                    id: Uuid::new_v4(),
+                    destination,
+                    process_manager_id: correlation_id,
+                    due: server_time_in(store.clock(), delay),
+                    headers: header_doc,
+                };
+                store
+                    .bounded("insert", store.insert(&record))
+                    .await
+                    .context("insert failed")?;
+                println!("{}", record.id);
+                Ok(())
+            })
+            .await
         }
         Command::Stats { json } => {
-            let store = connected_store(&config).await?;
-            let stats = store.stats().await?;
+            let stats = with_store(&config, async |store| {
+                Ok(store.bounded("count", store.stats()).await?)
+            })
+            .await?;
             if json {
                 println!("{}", serde_json::to_string(&stats)?);
             } else {
@@ -244,6 +279,8 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
                 println!("due             {}", stats.due);
                 println!("leased          {}", stats.leased);
                 println!("expired_leases  {}", stats.expired_leases);
+                println!("stuck_locks     {}", stats.stuck_locks);
+                println!("unschedulable   {}", stats.unschedulable);
                 match stats.oldest_due_age_seconds {
                     Some(age) => println!("oldest_due_age  {age:.3}s"),
                     None => println!("oldest_due_age  -"),
@@ -254,29 +291,32 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Reap => {
-            let store = connected_store(&config).await?;
-            let freed = store.reap().await?;
+            let freed = with_store(&config, async |store| {
+                Ok(store.bounded("reap", store.reap()).await?)
+            })
+            .await?;
             println!("freed {freed} expired leases");
             Ok(())
         }
         Command::Parked { action } => {
-            let parking = connected_store(&config).await?.parking();
-            parked(action, &parking).await
+            with_store(&config, async |store| parked(action, store).await).await
         }
     }
 }
 
-/// `timeoutd parked list|requeue|drop`.
-async fn parked(action: ParkedCommand, parking: &Parking) -> anyhow::Result<()> {
+/// `timeoutd parked list|requeue|drop`. Every call is bounded by `[mongodb]
+/// operation_timeout`.
+async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> {
+    let parking = &store.parking();
     let find = |shown: String| async move {
-        parking
-            .find_id(&shown)
+        store
+            .bounded("find a parked record", parking.find_id(&shown))
             .await?
             .with_context(|| format!("no parked record has id {shown}"))
     };
     match action {
         ParkedCommand::List { json } => {
-            let records = parking.list().await?;
+            let records = store.bounded("list", parking.list()).await?;
             if json {
                 println!("{}", serde_json::to_string(&records)?);
             } else {
@@ -297,14 +337,17 @@ async fn parked(action: ParkedCommand, parking: &Parking) -> anyhow::Result<()> 
         ParkedCommand::Requeue { id, all } => {
             let ids = match (id, all) {
                 (Some(shown), _) => vec![find(shown).await?],
-                (None, _) => parking.all_ids().await?,
+                (None, _) => store.bounded("list", parking.all_ids()).await?,
             };
             for id in ids {
                 let shown = display_id(&id);
-                match parking.requeue(&id).await? {
+                match store.bounded("requeue", parking.requeue(&id)).await? {
                     Some(Requeued::Requeued) => println!("requeued {shown}"),
                     Some(Requeued::AlreadyInTimeouts) => println!(
                         "{shown} is still in the timeouts collection; dropped the parked copy"
+                    ),
+                    Some(Requeued::ParkedAgain) => println!(
+                        "requeued {shown}, but it failed again and was parked again meanwhile"
                     ),
                     None => println!("{shown} is no longer parked"),
                 }
@@ -312,7 +355,7 @@ async fn parked(action: ParkedCommand, parking: &Parking) -> anyhow::Result<()> 
         }
         ParkedCommand::Drop { id } => {
             let id = find(id).await?;
-            parking.drop(&id).await?;
+            store.bounded("drop", parking.drop(&id)).await?;
             println!("dropped {}", display_id(&id));
         }
     }

@@ -13,6 +13,8 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
+pub use crate::redact::redact_uri;
+
 /// The file used when `--config` is not given and it exists.
 pub const LOCAL_CONFIG_PATH: &str = "config/timeoutd.toml";
 /// The file used when `--config` is not given and [`LOCAL_CONFIG_PATH`] does not exist.
@@ -47,6 +49,8 @@ pub struct MongoConfig {
     pub database: String,
     pub collection: String,
     pub time_encoding: TimeEncoding,
+    /// How `schedule` and the lease fields write GUIDs. Both representations are read.
+    pub uuid_representation: UuidRepresentation,
     /// Where parked records go; `<collection>_parked` when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parked_collection: Option<String>,
@@ -60,6 +64,9 @@ pub struct MongoConfig {
     /// PEM file holding the client certificate and its key, for x.509 client authentication.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_certificate_key_file: Option<PathBuf>,
+    /// Deadline of every single call to MongoDB (a claim, a delete, a release, a count).
+    #[serde(with = "humantime_serde")]
+    pub operation_timeout: Duration,
 }
 
 impl MongoConfig {
@@ -83,25 +90,57 @@ impl Default for MongoConfig {
         Self {
             uri: "mongodb://127.0.0.1:27017".into(),
             uri_file: None,
-            database: "RMessageBusPersistentStore".into(),
+            database: PUBLIC_DATABASE.into(),
             collection: "Timeouts".into(),
-            time_encoding: TimeEncoding::DotnetTicks,
+            time_encoding: TimeEncoding::Auto,
+            uuid_representation: UuidRepresentation::Standard,
             parked_collection: None,
             attempts_collection: None,
             tls_ca_file: None,
             tls_certificate_key_file: None,
+            operation_timeout: Duration::from_secs(10),
         }
     }
 }
+
+/// The default database, as every public ServiceConnect release spells it.
+pub const PUBLIC_DATABASE: &str = "RMessageBusPersistantStore";
+/// The database name of the lease-era ServiceConnect documents (the default before 0.2).
+pub const LEASE_ERA_DATABASE: &str = "RMessageBusPersistentStore";
 
 /// How the `Time` field of a record is stored.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum TimeEncoding {
+    /// Both shapes below, in one collection (for example during an upgrade).
+    Auto,
     /// ServiceConnect v7: `[Int64 ticks, Int32 offsetMinutes]`, a .NET `DateTimeOffset`.
     DotnetTicks,
-    /// A plain BSON Date (legacy 5.x writers, non-.NET producers).
+    /// A plain BSON Date (every public ServiceConnect release, non-.NET producers).
     Date,
+}
+
+impl TimeEncoding {
+    /// Whether records with `Time` as a BSON date are served.
+    pub fn reads_dates(self) -> bool {
+        matches!(self, Self::Auto | Self::Date)
+    }
+
+    /// Whether records with `Time` as `[ticks, offsetMinutes]` are served.
+    pub fn reads_ticks(self) -> bool {
+        matches!(self, Self::Auto | Self::DotnetTicks)
+    }
+}
+
+/// How GUIDs are stored as BSON binary.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum UuidRepresentation {
+    /// Binary subtype 4, RFC 4122 byte order (driver setting `uuidRepresentation=standard`).
+    #[default]
+    Standard,
+    /// Binary subtype 3 in the .NET byte order (the C# driver 2.x default `CSharpLegacy`).
+    CsharpLegacy,
 }
 
 /// `[rabbitmq]`: the broker and the shape of the message.
@@ -115,8 +154,14 @@ pub struct RabbitConfig {
     pub source_address: String,
     pub full_type_name: String,
     pub message_id: MessageIdMode,
+    /// Whether the record's stored `Headers` go out with the message (the lease-era
+    /// contract); public ServiceConnect releases send the standard headers only.
+    pub forward_headers: bool,
     #[serde(with = "humantime_serde")]
     pub publish_timeout: Duration,
+    /// Deadline for opening (and for closing) the broker connection and its channel.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
     /// For `amqps://`: PEM file of the CA that signed the broker's certificate (default: the
     /// system's roots).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -136,7 +181,9 @@ impl Default for RabbitConfig {
             source_address: "timeoutd".into(),
             full_type_name: V7_FULL_TYPE_NAME.into(),
             message_id: MessageIdMode::Stable,
+            forward_headers: true,
             publish_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
@@ -372,6 +419,8 @@ impl Config {
             problems: e.into_iter().map(figment_problem).collect(),
         })?;
         config.read_uri_files()?;
+        crate::redact::remember(&config.mongodb.uri, config.mongodb.uri_file.is_some());
+        crate::redact::remember(&config.rabbitmq.uri, config.rabbitmq.uri_file.is_some());
         config.validate()?;
         Ok(config)
     }
@@ -429,6 +478,8 @@ impl Config {
             ("dispatch.lease_safety_margin", d.lease_safety_margin),
             ("dispatch.shutdown_timeout", d.shutdown_timeout),
             ("rabbitmq.publish_timeout", self.rabbitmq.publish_timeout),
+            ("rabbitmq.connect_timeout", self.rabbitmq.connect_timeout),
+            ("mongodb.operation_timeout", self.mongodb.operation_timeout),
         ] {
             if value.is_zero() {
                 bad(key, "must be greater than zero".into());
@@ -548,7 +599,8 @@ impl Config {
         }
     }
 
-    /// The effective configuration as TOML, with passwords in URIs replaced by `***`.
+    /// The effective configuration as TOML, with every credential in the URIs replaced by
+    /// `***` ([`redact_uri`]).
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.mongodb.uri = redact_uri(&shown.mongodb.uri);
@@ -600,57 +652,33 @@ fn uri_has_unacknowledged_write_concern(uri: &str) -> bool {
     })
 }
 
-/// Replaces the password of a `scheme://user:password@host/...` URI with `***`.
-/// URIs without credentials are returned unchanged.
-pub fn redact_uri(uri: &str) -> String {
-    let Some(scheme_end) = uri.find("://") else {
-        return uri.to_string();
-    };
-    let rest = &uri[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return uri.to_string();
-    };
-    let userinfo = &authority[..at];
-    let shown_userinfo = match userinfo.find(':') {
-        Some(colon) => format!("{}:***", &userinfo[..colon]),
-        None => userinfo.to_string(),
-    };
-    format!(
-        "{}{}{}",
-        &uri[..scheme_end + 3],
-        shown_userinfo,
-        &rest[at..]
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redacts_passwords_only() {
-        assert_eq!(
-            redact_uri("amqp://guest:secret@127.0.0.1:5672/%2f"),
-            "amqp://guest:***@127.0.0.1:5672/%2f"
-        );
-        assert_eq!(
-            redact_uri("mongodb://u:p@ss@h1:1,h2:2/db?w=majority"),
-            "mongodb://u:***@h1:1,h2:2/db?w=majority"
-        );
-        assert_eq!(
-            redact_uri("mongodb://127.0.0.1:27017"),
-            "mongodb://127.0.0.1:27017"
-        );
-        assert_eq!(redact_uri("mongodb://user@h/"), "mongodb://user@h/");
-    }
 
     #[test]
     fn defaults_are_valid_and_reaper_defaults_to_quarter_lease() {
         let c = Config::from_toml("").unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.reaper_interval(), Duration::from_secs(75));
+    }
+
+    #[test]
+    fn shape_settings_parse() {
+        let c = Config::from_toml(
+            "[mongodb]\ntime_encoding = \"date\"\nuuid_representation = \"csharp-legacy\"\n[rabbitmq]\nforward_headers = false",
+        )
+        .unwrap();
+        assert_eq!(c.mongodb.time_encoding, TimeEncoding::Date);
+        assert_eq!(
+            c.mongodb.uuid_representation,
+            UuidRepresentation::CsharpLegacy
+        );
+        assert!(!c.rabbitmq.forward_headers);
+        let d = Config::default();
+        assert_eq!(d.mongodb.time_encoding, TimeEncoding::Auto);
+        assert_eq!(d.mongodb.database, "RMessageBusPersistantStore");
+        assert!(d.rabbitmq.forward_headers);
     }
 
     #[test]
@@ -699,6 +727,14 @@ mod tests {
         assert_eq!(
             keys_of("[mongodb]\ntime_encoding = \"unix\""),
             ["mongodb.time_encoding"]
+        );
+        assert_eq!(
+            keys_of("[mongodb]\nuuid_representation = \"java-legacy\""),
+            ["mongodb.uuid_representation"]
+        );
+        assert_eq!(
+            keys_of("[rabbitmq]\nforward_headers = \"no\""),
+            ["rabbitmq.forward_headers"]
         );
         assert_eq!(
             keys_of("[rabbitmq]\nmessage_id = \"sometimes\""),

@@ -17,6 +17,7 @@ use crate::health::Health;
 use crate::metrics as m;
 use crate::publisher::Publisher;
 use crate::store::{Store, StoreError};
+use crate::supervisor::{Supervisor, TaskFailed};
 use crate::{http, reaper, systemd, wakeup};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
@@ -25,7 +26,7 @@ pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 /// How long after `shutdown_timeout` the daemon waits for the dispatch loop's releases.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// What stops the daemon from starting.
+/// What stops the daemon, other than a signal.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error(transparent)]
@@ -37,10 +38,13 @@ pub enum DaemonError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    TaskFailed(#[from] TaskFailed),
 }
 
-/// Runs the daemon until `shutdown` is cancelled. Fails only on what retrying cannot fix
-/// (an invalid URI, an unacknowledged write concern, a port in use).
+/// Runs the daemon until `shutdown` is cancelled. Fails on what retrying cannot fix (an
+/// invalid URI, an unacknowledged write concern, a port in use) and when an essential task
+/// stops (see [`crate::supervisor`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
     run_with(config, ServerClock::default(), shutdown, |_| {}).await
 }
@@ -54,8 +58,12 @@ pub async fn run_with(
     on_listen: impl FnOnce(SocketAddr),
 ) -> Result<(), DaemonError> {
     let config = Arc::new(config);
-    let store = Store::connect(&config.mongodb, clock).await?;
+    let store = Store::connect(&config.mongodb, clock)
+        .await?
+        .with_settings(&config);
     let publisher = Publisher::new(&config.rabbitmq)?;
+    // Kept to close the client at the end, within a deadline, before the runtime goes.
+    let client = store.clone();
     // Installed before anything records a metric.
     let _ = http::prometheus();
     let health = Arc::new(Health::new(config.dispatch.poll_interval));
@@ -66,15 +74,22 @@ pub async fn run_with(
                 addr: config.http.listen,
                 source,
             })?;
+    let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
     let http_stop = CancellationToken::new();
-    let http_task = tokio::spawn(http::serve(
-        listener,
-        health.clone(),
-        http::prometheus(),
-        http_stop.clone(),
-    ));
+    tasks.spawn_lasting(
+        "http",
+        ok(http::serve(
+            listener,
+            health.clone(),
+            http::prometheus(),
+            http_stop.clone(),
+        )),
+    );
     tracing::info!(%addr, "HTTP endpoints listening (/metrics, /healthz, /readyz)");
-    let notify_task = tokio::spawn(systemd::run(health.clone(), shutdown.clone()));
+    tasks.spawn(
+        "systemd",
+        ok(systemd::run(health.clone(), shutdown.clone())),
+    );
     on_listen(addr);
     tracing::info!(
         database = %config.mongodb.database,
@@ -83,58 +98,120 @@ pub async fn run_with(
         "timeoutd starting"
     );
 
+    let mut started = Ok(());
     if wait_for_mongodb(&store, &health, &shutdown).await {
-        store.ensure_indexes().await?;
-        if let Err(e) = store.parking().ensure_indexes().await {
-            tracing::warn!(error = %e, "could not create the parking and attempts indexes; continuing");
+        started = start(&config, store, publisher, &health, &shutdown, &mut tasks).await;
+    }
+    if started.is_err() {
+        shutdown.cancel();
+    }
+    // The dispatch loop bounds its own wait by shutdown_timeout; the margin covers the
+    // releases that follow.
+    let drain = config.dispatch.shutdown_timeout + SHUTDOWN_GRACE;
+    let supervised = tasks.watch(drain).await;
+    // Tests only: keep answering 503 a while after a failure, so that a probe sees it.
+    #[cfg(feature = "failpoints")]
+    if supervised.is_err()
+        && let Some(Some(ms)) = fail::eval("daemon-linger-after-failure", |arg| {
+            arg.and_then(|a| a.parse::<u64>().ok())
+        })
+    {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    http_stop.cancel();
+    tasks.finish(SHUTDOWN_GRACE).await;
+    if !client.close(SHUTDOWN_GRACE).await {
+        tracing::debug!("the MongoDB client did not close in time");
+    }
+    started?;
+    supervised?;
+    tracing::info!("timeoutd stopped");
+    Ok(())
+}
+
+/// Creates the indexes and starts the tasks that need MongoDB.
+async fn start(
+    config: &Arc<Config>,
+    store: Store,
+    publisher: Publisher,
+    health: &Arc<Health>,
+    shutdown: &CancellationToken,
+    tasks: &mut Supervisor,
+) -> Result<(), DaemonError> {
+    match store
+        .bounded("check the deployment", store.durability_risks())
+        .await
+    {
+        Ok(risks) => {
+            for risk in risks {
+                tracing::warn!(%risk, "MongoDB settings weaken the lease");
+            }
         }
-        let monitor_task = tokio::spawn(monitor(store.clone(), health.clone(), shutdown.clone()));
-        let reaper_task = tokio::spawn(reaper::run(
+        Err(e) => tracing::warn!(error = %e, "could not check the MongoDB deployment's settings"),
+    }
+    store
+        .bounded("create indexes", store.ensure_indexes())
+        .await?;
+    let parking = store.parking();
+    if let Err(e) = store
+        .bounded("create parking indexes", parking.ensure_indexes())
+        .await
+    {
+        tracing::warn!(error = %e, "could not create the parking and attempts indexes; continuing");
+    }
+    tasks.spawn(
+        "monitor",
+        ok(monitor(store.clone(), health.clone(), shutdown.clone())),
+    );
+    tasks.spawn(
+        "reaper",
+        ok(reaper::run(
             store.clone(),
             config.reaper_interval(),
             shutdown.clone(),
-        ));
-        let wake = Arc::new(tokio::sync::Notify::new());
-        let wakeup_task = tokio::spawn(wakeup::run(
+        )),
+    );
+    let wake = Arc::new(tokio::sync::Notify::new());
+    tasks.spawn(
+        "wakeup",
+        ok(wakeup::run(
             store.clone(),
             config.dispatch.look_ahead(),
             wake.clone(),
             shutdown.clone(),
-        ));
-        let dispatcher = Dispatcher::new(
-            config.clone(),
-            store,
-            publisher,
-            health.clone(),
-            shutdown.clone(),
-            wake,
-        );
-        let dispatch_task = tokio::spawn(dispatcher.run());
-
+        )),
+    );
+    let dispatcher = Dispatcher::new(
+        config.clone(),
+        store,
+        publisher,
+        health.clone(),
+        shutdown.clone(),
+        wake,
+    );
+    tasks.spawn("dispatch", dispatcher.run());
+    m::up(true);
+    let (health, shutdown) = (health.clone(), shutdown.clone());
+    tokio::spawn(async move {
         shutdown.cancelled().await;
         health.start_draining();
-        systemd::stopping();
-        tracing::info!(
-            timeout = ?config.dispatch.shutdown_timeout,
-            "shutting down: no new claims; finishing or releasing what is held"
-        );
-        // The dispatch loop bounds its own wait by shutdown_timeout; the margin covers the
-        // releases that follow.
-        let grace = config.dispatch.shutdown_timeout + SHUTDOWN_GRACE;
-        if tokio::time::timeout(grace, dispatch_task).await.is_err() {
-            tracing::warn!("dispatch loop did not stop in time; its leases will expire");
-        }
-        let _ = tokio::join!(monitor_task, reaper_task, wakeup_task);
-    }
-    http_stop.cancel();
-    let _ = tokio::join!(http_task, notify_task);
-    tracing::info!("timeoutd stopped");
+        systemd::stopping().await;
+        tracing::info!("shutting down: no new claims; finishing or releasing what is held");
+    });
+    Ok(())
+}
+
+/// A task that cannot fail, as one the supervisor takes.
+async fn ok(task: impl std::future::Future<Output = ()>) -> Result<(), std::convert::Infallible> {
+    task.await;
     Ok(())
 }
 
 /// Re-reads the server clock; records the offset and whether MongoDB answered.
 async fn read_server_clock(store: &Store, health: &Health) -> Result<i64, StoreError> {
-    let result = store.refresh_clock().await;
+    let result = store
+        .bounded("read the server clock", store.refresh_clock())
+        .await;
     health.set_up(m::MONGODB, result.is_ok());
     if let Ok(offset) = &result {
         m::clock_offset(*offset);
@@ -170,7 +247,8 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
 async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
     let parking = store.parking();
     loop {
-        match tokio::try_join!(store.backlog(), parking.count()) {
+        let counts = async { tokio::try_join!(store.backlog(), parking.count()) };
+        match store.bounded("read the backlog", counts).await {
             Ok(((due, oldest), parked)) => {
                 m::backlog(due, oldest);
                 m::parked_records(parked);

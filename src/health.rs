@@ -1,6 +1,7 @@
-//! Health: what `/healthz` and `/readyz` report. The dispatch loop stamps each completed poll;
-//! the tasks that talk to MongoDB and RabbitMQ record whether they answer; shutdown sets
-//! draining.
+//! Health: what `/healthz` and `/readyz` report. The dispatch loop stamps every turn (it turns
+//! at least once a second, and no handler awaits, so a loop that stops turning is wedged); the
+//! tasks that talk to MongoDB and RabbitMQ record whether they answer; shutdown sets draining;
+//! the supervisor marks the daemon failed when an essential task ends or panics.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,6 +20,8 @@ pub struct Health {
     mongodb_up: AtomicBool,
     rabbitmq_up: AtomicBool,
     draining: AtomicBool,
+    /// The essential task that ended or panicked, once one has.
+    failed: std::sync::Mutex<Option<&'static str>>,
 }
 
 /// The `/readyz` body.
@@ -37,12 +40,30 @@ impl Health {
             mongodb_up: AtomicBool::new(false),
             rabbitmq_up: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            failed: std::sync::Mutex::new(None),
         }
     }
 
-    /// The dispatch loop completed a poll.
-    pub fn poll_completed(&self) {
+    /// The dispatch loop turned.
+    pub fn beat(&self) {
         self.waiting(Duration::ZERO);
+    }
+
+    /// An essential task ended or panicked: `/healthz` and `/readyz` are 503 from now on.
+    pub fn fail(&self, task: &'static str) {
+        let mut failed = match self.failed.lock() {
+            Ok(f) => f,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        failed.get_or_insert(task);
+    }
+
+    /// The task that failed, if one has.
+    pub fn failed_task(&self) -> Option<&'static str> {
+        match self.failed.lock() {
+            Ok(f) => *f,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
     }
 
     /// The dispatch loop handled a failure and will try again after `wait`: it is not
@@ -70,10 +91,16 @@ impl Health {
         self.draining.store(true, Ordering::Relaxed);
     }
 
-    /// Live while a poll completed within three poll intervals. Before the first poll the
-    /// same allowance runs from start-up, plus the time to reach the services.
+    /// Live while no essential task failed and the dispatch loop turned within three poll
+    /// intervals (at least three seconds). Before the first turn the same allowance runs from
+    /// start-up, plus the time to reach the services.
     pub fn is_live(&self) -> bool {
-        let allowance = (self.poll_interval * 3).as_millis() as i64;
+        if self.failed_task().is_some() {
+            return false;
+        }
+        let allowance = (self.poll_interval * 3)
+            .max(Duration::from_secs(3))
+            .as_millis() as i64;
         let now = self.started.elapsed().as_millis() as i64;
         match self.last_poll_ms.load(Ordering::Relaxed) {
             -1 => now <= allowance + 30_000,
@@ -83,6 +110,9 @@ impl Health {
 
     pub fn readiness(&self) -> Readiness {
         let mut problems = Vec::new();
+        if self.failed_task().is_some() {
+            problems.push("an essential task failed");
+        }
         if !self.mongodb_up.load(Ordering::Relaxed) {
             problems.push("mongodb unreachable");
         }
@@ -118,16 +148,31 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_task_makes_the_daemon_unhealthy_for_good() {
+        let h = Health::new(Duration::from_secs(10));
+        h.set_up(m::MONGODB, true);
+        h.set_up(m::RABBITMQ, true);
+        h.beat();
+        assert!(h.is_live() && h.readiness().ready);
+        h.fail("reaper");
+        h.fail("monitor");
+        h.beat();
+        assert!(!h.is_live());
+        assert_eq!(h.failed_task(), Some("reaper"));
+        assert_eq!(h.readiness().problems, ["an essential task failed"]);
+    }
+
+    #[test]
     fn liveness_follows_the_last_poll() {
         let h = Health::new(Duration::from_millis(10));
-        h.poll_completed();
+        h.beat();
         assert!(h.is_live());
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(!h.is_live(), "no poll for five intervals");
-        h.poll_completed();
+        std::thread::sleep(Duration::from_millis(3_050));
+        assert!(!h.is_live(), "no turn for over three seconds");
+        h.beat();
         assert!(h.is_live());
-        h.waiting(Duration::from_millis(100));
-        std::thread::sleep(Duration::from_millis(50));
+        h.waiting(Duration::from_millis(3_100));
+        std::thread::sleep(Duration::from_millis(3_050));
         assert!(h.is_live(), "waiting out a back-off is not a stall");
     }
 }

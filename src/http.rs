@@ -48,6 +48,7 @@ pub fn prometheus() -> PrometheusHandle {
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed; /metrics may be empty");
             }
+            crate::metrics::describe_all();
             metrics::gauge!("timeoutd_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
             handle
         })
@@ -69,6 +70,7 @@ fn router(state: AppState) -> Router {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
+    crate::metrics::ready(s.health.readiness().ready);
     s.prometheus.run_upkeep();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

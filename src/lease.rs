@@ -14,8 +14,10 @@ use std::time::Duration;
 use bson::{Bson, DateTime, Document, doc};
 use uuid::Uuid;
 
-use crate::config::TimeEncoding;
-use crate::record::{field, ms_to_ticks, uuid_bson};
+use crate::config::UuidRepresentation;
+use crate::due::{self, Shape};
+use crate::guid;
+use crate::record::field;
 
 /// A claim's owner and the instant its lease runs out (server clock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +47,10 @@ impl Lease {
 
     /// Time left at `now`; zero once expired.
     pub fn remaining(&self, now: DateTime) -> Duration {
-        let ms = self.expires_at.timestamp_millis() - now.timestamp_millis();
+        let ms = self
+            .expires_at
+            .timestamp_millis()
+            .saturating_sub(now.timestamp_millis());
         Duration::from_millis(ms.max(0) as u64)
     }
 
@@ -72,48 +77,6 @@ pub fn add(t: DateTime, d: Duration) -> DateTime {
     )
 }
 
-/// The part of the due filter that says "`Time` at or before `due_by`", in the index-friendly
-/// form: `"Time.0" <= ticks` for the ticks array, `Time <= date` for plain dates.
-pub fn due_by(due_by: DateTime, encoding: TimeEncoding) -> Document {
-    match encoding {
-        TimeEncoding::DotnetTicks => {
-            doc! { field::TIME_TICKS: { "$lte": ms_to_ticks(due_by.timestamp_millis()) } }
-        }
-        TimeEncoding::Date => doc! { field::TIME: { "$lte": due_by } },
-    }
-}
-
-/// "`Time` from `from` to `to`", both inclusive. The upper bound comes first: SecantusDB
-/// bounds its index scan by the first operator of the clause only, and a scan bounded above
-/// stops at `to` where one bounded below would run to the newest record. MongoDB uses both.
-pub fn due_between(from: DateTime, to: DateTime, encoding: TimeEncoding) -> Document {
-    match encoding {
-        TimeEncoding::DotnetTicks => doc! { field::TIME_TICKS: {
-            "$lte": ms_to_ticks(to.timestamp_millis()),
-            "$gte": ms_to_ticks(from.timestamp_millis()),
-        } },
-        TimeEncoding::Date => doc! { field::TIME: { "$lte": to, "$gte": from } },
-    }
-}
-
-/// The complement of [`due_by`]: not due yet at `t`.
-pub fn due_after(t: DateTime, encoding: TimeEncoding) -> Document {
-    match encoding {
-        TimeEncoding::DotnetTicks => {
-            doc! { field::TIME_TICKS: { "$gt": ms_to_ticks(t.timestamp_millis()) } }
-        }
-        TimeEncoding::Date => doc! { field::TIME: { "$gt": t } },
-    }
-}
-
-/// The key the due query sorts on (oldest first) and that timeoutd's own index covers.
-pub fn due_sort_key(encoding: TimeEncoding) -> &'static str {
-    match encoding {
-        TimeEncoding::DotnetTicks => field::TIME_TICKS,
-        TimeEncoding::Date => field::TIME,
-    }
-}
-
 /// Free, or leased with an expired lease: what any worker may claim.
 pub fn claimable(now: DateTime) -> Document {
     doc! { "$or": [
@@ -123,24 +86,36 @@ pub fn claimable(now: DateTime) -> Document {
 }
 
 /// Due at `now` and claimable at `now`.
-pub fn due_filter(now: DateTime, encoding: TimeEncoding) -> Document {
-    due_within(now, None, now, encoding)
+pub fn due_filter(now: DateTime, shapes: &[Shape]) -> Document {
+    due_within(now, None, now, shapes)
+}
+
+/// `Time` at or before `t`, in any of `shapes`.
+pub fn due_by(t: DateTime, shapes: &[Shape]) -> Document {
+    due::any_of(shapes, |s| s.due_between(None, t))
+}
+
+/// Not due yet at `t`, in any of `shapes`.
+pub fn due_after(t: DateTime, shapes: &[Shape]) -> Document {
+    due::any_of(shapes, |s| s.due_after(t))
 }
 
 /// Due by `horizon` (`now` plus the look-ahead), and no earlier than `from` when set (a
 /// slice of the due range, see [`crate::window`]), and claimable at `now`: what a claim
 /// takes. Records due after `now` are held under the lease and sent at their due instant.
+///
+/// One query per shape serves best (each branch is one index range, oldest first); a list of
+/// several shapes becomes an `$or` of them.
 pub fn due_within(
     now: DateTime,
     from: Option<DateTime>,
     horizon: DateTime,
-    encoding: TimeEncoding,
+    shapes: &[Shape],
 ) -> Document {
-    let due = match from {
-        Some(from) => due_between(from, horizon, encoding),
-        None => due_by(horizon, encoding),
-    };
-    all_of([due, claimable(now)])
+    all_of([
+        due::any_of(shapes, |s| s.due_between(from, horizon)),
+        claimable(now),
+    ])
 }
 
 /// The clauses joined by an explicit `$and`. The same query as one document of implicit
@@ -156,35 +131,37 @@ pub fn all_of<const N: usize>(clauses: [Document; N]) -> Document {
 pub fn claim_filter(
     now: DateTime,
     horizon: DateTime,
-    encoding: TimeEncoding,
+    shapes: &[Shape],
     candidates: &[Bson],
 ) -> Document {
     all_of([
         doc! { field::ID: { "$in": candidates } },
-        due_by(horizon, encoding),
+        due_by(horizon, shapes),
         claimable(now),
     ])
 }
 
-/// Takes a lease.
-pub fn claim_update(lease: &Lease) -> Document {
-    doc! { "$set": leased_fields(lease) }
+/// Takes a lease, writing the owner in the fleet's GUID representation.
+pub fn claim_update(lease: &Lease, uuids: UuidRepresentation) -> Document {
+    doc! { "$set": leased_fields(lease, uuids) }
 }
 
 /// The lease fields of a record held under `lease`, as [`claim_update`] sets them.
-pub fn leased_fields(lease: &Lease) -> Document {
+pub fn leased_fields(lease: &Lease, uuids: UuidRepresentation) -> Document {
     doc! {
         field::LOCKED: true,
-        field::LOCKED_BY: uuid_bson(lease.owner),
+        field::LOCKED_BY: guid::to_bson(lease.owner, uuids),
         field::LOCK_EXPIRES_AT: lease.expires_at,
     }
 }
 
 /// Rows held by `owner` whose lease is live at `now`. Every write after a claim adds this.
+/// The owner matches in either GUID representation, so the guard holds whatever
+/// `uuid_representation` the claim wrote.
 pub fn held(owner: Uuid, now: DateTime) -> Document {
     doc! {
         field::LOCKED: true,
-        field::LOCKED_BY: uuid_bson(owner),
+        field::LOCKED_BY: { "$in": guid::both_forms(owner).to_vec() },
         field::LOCK_EXPIRES_AT: { "$gt": now },
     }
 }
@@ -204,20 +181,26 @@ pub fn held_many(ids: &[Bson], owner: Uuid, now: DateTime) -> Document {
     all_of([doc! { field::ID: { "$in": ids } }, held(owner, now)])
 }
 
-/// Makes a record free again: the only shape ServiceConnect accepts for a free record.
-pub fn release_update() -> Document {
+/// Makes a record free again: the only shape ServiceConnect v7 accepts for a free record
+/// (the nil GUID in the fleet's representation).
+pub fn release_update(uuids: UuidRepresentation) -> Document {
     doc! { "$set": {
         field::LOCKED: false,
-        field::LOCKED_BY: uuid_bson(Uuid::nil()),
+        field::LOCKED_BY: guid::to_bson(Uuid::nil(), uuids),
         field::LOCK_EXPIRES_AT: Bson::Null,
     } }
 }
 
 /// A stored record in the free shape, as [`release_update`] leaves it (for parking and
-/// requeueing a record as ServiceConnect would see it).
+/// requeueing a record as ServiceConnect would see it), the nil GUID in the representation
+/// of the record's own `_id`.
 pub fn as_free(mut record: Document) -> Document {
+    let uuids = record
+        .get(field::ID)
+        .and_then(guid::representation_of)
+        .unwrap_or_default();
     record.insert(field::LOCKED, false);
-    record.insert(field::LOCKED_BY, uuid_bson(Uuid::nil()));
+    record.insert(field::LOCKED_BY, guid::to_bson(Uuid::nil(), uuids));
     record.insert(field::LOCK_EXPIRES_AT, Bson::Null);
     record
 }
@@ -231,6 +214,29 @@ pub fn defer_update(until: DateTime) -> Document {
 /// Leased records whose lease has expired at `now`: what the reaper frees.
 pub fn expired(now: DateTime) -> Document {
     doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: { "$lte": now } }
+}
+
+/// Records locked with no lease expiry (missing or null): what public ServiceConnect's own
+/// poller leaves when it dies between its `FindAndModify` and its delete. No lease ever
+/// frees them; the reaper does once it has seen them locked for a whole lease.
+pub fn stuck() -> Document {
+    doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: Bson::Null }
+}
+
+/// [`stuck`], restricted to `ids`, for the guarded free.
+pub fn stuck_among(ids: &[Bson]) -> Document {
+    all_of([doc! { field::ID: { "$in": ids } }, stuck()])
+}
+
+/// Records locked in a way timeoutd never locks: no lease expiry, or no owner (missing,
+/// null or the nil GUID). Some other dispatcher (ServiceConnect's own poller) claims them.
+pub fn foreign_locks() -> Document {
+    let mut no_owner = vec![Bson::Null];
+    no_owner.extend(guid::both_forms(Uuid::nil()));
+    doc! { field::LOCKED: true, "$or": [
+        { field::LOCK_EXPIRES_AT: Bson::Null },
+        { field::LOCKED_BY: { "$in": no_owner } },
+    ] }
 }
 
 #[cfg(test)]
@@ -273,7 +279,7 @@ mod tests {
     #[test]
     fn due_query_uses_the_ticks_element() {
         let now = DateTime::from_millis(1_767_225_600_000);
-        let f = due_filter(now, TimeEncoding::DotnetTicks);
+        let f = due_filter(now, &[Shape::Ticks(0)]);
         let clauses = f.get_array("$and").unwrap();
         let due = clauses[0].as_document().unwrap();
         assert_eq!(
@@ -281,5 +287,33 @@ mod tests {
             639_028_224_000_000_000
         );
         assert!(clauses[1].as_document().unwrap().contains_key("$or"));
+    }
+
+    #[test]
+    fn the_owner_guard_matches_either_representation() {
+        let lease = Lease::new(DateTime::now(), Duration::from_secs(10));
+        let written = leased_fields(&lease, UuidRepresentation::CsharpLegacy);
+        let guard = held(lease.owner, DateTime::now());
+        let accepted = guard
+            .get_document(field::LOCKED_BY)
+            .unwrap()
+            .get_array("$in")
+            .unwrap();
+        assert!(accepted.contains(written.get(field::LOCKED_BY).unwrap()));
+        let standard = leased_fields(&lease, UuidRepresentation::Standard);
+        assert!(accepted.contains(standard.get(field::LOCKED_BY).unwrap()));
+    }
+
+    #[test]
+    fn a_freed_copy_keeps_the_representation_of_its_id() {
+        let legacy_id = guid::to_bson(Uuid::new_v4(), UuidRepresentation::CsharpLegacy);
+        let freed = as_free(doc! { "_id": legacy_id, "Locked": true });
+        assert_eq!(
+            freed.get(field::LOCKED_BY),
+            Some(&guid::to_bson(
+                Uuid::nil(),
+                UuidRepresentation::CsharpLegacy
+            ))
+        );
     }
 }

@@ -5,26 +5,39 @@
 //!
 //! Modules, one per concern:
 //! - [`config`], the TOML file, environment overrides and validation;
-//! - [`record`], the ServiceConnect document and its decoding;
+//! - [`record`], the ServiceConnect document and its decoding; [`guid`], GUIDs in both BSON
+//!   representations; [`due`], the shapes of `Time` and the due query for each;
 //! - [`lease`], the lease rules (claim, guarded remove and release, reap) in one place;
 //! - [`clock`], the database server's clock;
-//! - [`store`], the MongoDB collection, and [`window`], which part of it a claim reads;
+//! - [`deadline`], the bound on every call to MongoDB and RabbitMQ;
+//! - [`durability`], the MongoDB settings the lease relies on, checked at start;
+//! - [`store`], the MongoDB collection: [`claim`], the claim; [`window`], which part of the
+//!   due range a claim reads; [`shapes`], which `Time` shapes the collection holds;
+//!   [`census`], `stats` and the records nothing fires on its own;
 //! - [`message`], the `TimeoutMessage` wire format;
 //! - [`publisher`], RabbitMQ with publisher confirms;
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
 //! - [`metrics`], metric names and recording;
+//! - [`redact`], keeping credentials out of every output;
 //! - [`health`] and [`http`], liveness, readiness and the `/metrics` endpoint;
 //! - [`shutdown`], signals;
+//! - [`supervisor`], the essential tasks and what happens when one stops;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
 //! - [`cli`], the command line.
 
 pub mod backoff;
+pub mod census;
+pub mod claim;
 pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod daemon;
+pub mod deadline;
 pub mod dispatch;
+pub mod due;
+pub mod durability;
+pub mod guid;
 pub mod health;
 pub mod http;
 pub mod lease;
@@ -34,8 +47,11 @@ pub mod parking;
 pub mod publisher;
 pub mod reaper;
 pub mod record;
+pub mod redact;
+pub mod shapes;
 pub mod shutdown;
 pub mod store;
+pub mod supervisor;
 pub mod systemd;
 pub mod wakeup;
 pub mod window;

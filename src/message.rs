@@ -1,11 +1,11 @@
 //! The `TimeoutMessage` on the wire: body, headers and AMQP properties exactly as
 //! ServiceConnect v7 sends them (see the interop doc, section 5).
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use base64::Engine;
+use bson::Bson;
 use bson::spec::BinarySubtype;
-use bson::{Bson, DateTime};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use uuid::Uuid;
@@ -60,18 +60,32 @@ pub struct OutgoingMessage {
 /// Formats an instant as .NET's round-trip UTC form with 7 fractional digits:
 /// `2026-05-03T12:00:00.1234567Z`.
 pub fn format_time_sent(t: SystemTime) -> String {
-    let nanos = humantime::format_rfc3339_nanos(t).to_string();
-    // `YYYY-MM-DDTHH:MM:SS.nnnnnnnnnZ`: keep 7 of the 9 fractional digits.
-    format!("{}Z", &nanos[..nanos.len() - 3])
+    let nanos = match t.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(d) => i128::try_from(d.as_nanos()).unwrap_or(i128::MAX),
+        Err(e) => -i128::try_from(e.duration().as_nanos()).unwrap_or(i128::MAX),
+    };
+    // The host clock is always within .NET's years; the epoch is the fallback if it is not.
+    format_dotnet_utc(nanos).unwrap_or_else(|| "1970-01-01T00:00:00.0000000Z".into())
 }
 
-fn bson_date_to_system_time(d: DateTime) -> Option<SystemTime> {
-    let ms = d.timestamp_millis();
-    if ms >= 0 {
-        SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms as u64))
-    } else {
-        SystemTime::UNIX_EPOCH.checked_sub(Duration::from_millis(ms.unsigned_abs()))
+/// Formats Unix nanoseconds the way .NET's round-trip format (`"o"`) prints a UTC
+/// `DateTime`, for every instant .NET can hold (years 1 to 9999, 100 ns resolution).
+/// `None` outside those years: no .NET reader could hold the value.
+pub fn format_dotnet_utc(unix_nanos: i128) -> Option<String> {
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(unix_nanos).ok()?;
+    if !(1..=9999).contains(&t.year()) {
+        return None;
     }
+    Some(format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:07}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.nanosecond() / 100
+    ))
 }
 
 /// A stored header value as the string ServiceConnect would send, or `None` to drop it.
@@ -91,7 +105,7 @@ pub fn header_value_string(value: &Bson) -> Option<String> {
         Bson::Binary(b) if b.subtype == BinarySubtype::Uuid => Uuid::from_slice(&b.bytes)
             .ok()
             .map(|u| u.hyphenated().to_string()),
-        Bson::DateTime(d) => bson_date_to_system_time(*d).map(format_time_sent),
+        Bson::DateTime(d) => format_dotnet_utc(i128::from(d.timestamp_millis()) * 1_000_000),
         _ => None,
     }
 }
@@ -100,8 +114,89 @@ fn long_string(s: impl Into<String>) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.into()))
 }
 
-/// Builds the `TimeoutMessage` for a record. `now` stamps `TimeSent`.
-pub fn build(record: &TimeoutRecord, rabbit: &RabbitConfig, now: SystemTime) -> OutgoingMessage {
+/// AMQP's limit for a short string: routing keys, header names, `message_id`.
+pub const SHORT_STRING_MAX: usize = 255;
+
+/// RabbitMQ's default `frame_max`, used until a connection negotiated its own.
+pub const DEFAULT_FRAME_MAX: u32 = 131_072;
+
+/// Bytes of a content header frame besides its properties: frame type, channel and size (7),
+/// class, weight, body size and property flags (14), frame end (1).
+const HEADER_FRAME_OVERHEAD: usize = 22;
+
+/// Why a record cannot be sent as it stands. Each names the field and the limit; the record
+/// is parked with this as its error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unsendable {
+    #[error(
+        "Destination is {len} bytes long; an AMQP routing key holds at most {SHORT_STRING_MAX} bytes"
+    )]
+    RoutingKeyTooLong { len: usize },
+    #[error(
+        "the message's properties and headers take {size} bytes of a content header frame; the broker's frame_max is {frame_max} bytes (largest header `{largest}`: {largest_len} bytes)"
+    )]
+    HeaderFrameTooLarge {
+        size: usize,
+        frame_max: u32,
+        largest: String,
+        largest_len: usize,
+    },
+    #[error("building the message failed unexpectedly: {0}")]
+    Panicked(String),
+}
+
+/// The size of the content header frame that carries `properties` (message id, delivery mode
+/// and a table of long strings, as [`build`] sets them), to compare with `frame_max`.
+pub fn header_frame_size(properties: &BasicProperties) -> usize {
+    let message_id = properties
+        .message_id()
+        .as_ref()
+        .map_or(0, |id| 1 + id.as_str().len());
+    let delivery_mode = usize::from(properties.delivery_mode().is_some());
+    let table = properties.headers().as_ref().map_or(0, |t| {
+        4 + t
+            .inner()
+            .iter()
+            .map(|(k, v)| 1 + k.as_str().len() + field_value_size(v))
+            .sum::<usize>()
+    });
+    HEADER_FRAME_OVERHEAD + message_id + delivery_mode + table
+}
+
+/// Encoded size of one field-table value, type octet included. [`build`] only writes long
+/// strings; the other arms keep the count honest should that change.
+fn field_value_size(v: &AMQPValue) -> usize {
+    match v {
+        AMQPValue::LongString(s) => 1 + 4 + s.as_bytes().len(),
+        AMQPValue::ShortString(s) => 1 + 1 + s.as_str().len(),
+        AMQPValue::Boolean(_) => 2,
+        _ => 1 + 8,
+    }
+}
+
+/// Builds the `TimeoutMessage` for a record, checked against AMQP's limits: a routing key of
+/// at most 255 bytes and a content header frame within the broker's `frame_max`. `now`
+/// stamps `TimeSent`. Header names longer than 255 bytes and values ServiceConnect cannot
+/// carry are dropped (logged); the record still fires.
+pub fn build(
+    record: &TimeoutRecord,
+    rabbit: &RabbitConfig,
+    now: SystemTime,
+    frame_max: u32,
+) -> Result<OutgoingMessage, Unsendable> {
+    #[cfg(feature = "failpoints")]
+    if fail::eval("message-build-panic", |arg| arg)
+        .flatten()
+        .as_deref()
+        == Some(record.destination.as_str())
+    {
+        panic!("failpoint message-build-panic");
+    }
+    if record.destination.len() > SHORT_STRING_MAX {
+        return Err(Unsendable::RoutingKeyTooLong {
+            len: record.destination.len(),
+        });
+    }
     let correlation_id = record.process_manager_id.hyphenated().to_string();
     let message_id = match rabbit.message_id {
         MessageIdMode::Stable => record.id.hyphenated().to_string(),
@@ -113,9 +208,8 @@ pub fn build(record: &TimeoutRecord, rabbit: &RabbitConfig, now: SystemTime) -> 
         if RESERVED_HEADERS.contains(&key.as_str()) {
             continue;
         }
-        // AMQP field names are short strings (at most 255 bytes).
         let Ok(name) = ShortString::try_new(key.clone()) else {
-            tracing::debug!(timeout_id = %record.id, header = %key, "dropping header: name longer than 255 bytes");
+            tracing::warn!(timeout_id = %record.id, header_bytes = key.len(), "dropping header: its name is longer than an AMQP field name may be (255 bytes)");
             continue;
         };
         match header_value_string(value) {
@@ -126,7 +220,7 @@ pub fn build(record: &TimeoutRecord, rabbit: &RabbitConfig, now: SystemTime) -> 
                 timeout_id = %record.id,
                 header = %key,
                 bson_type = ?value.element_type(),
-                "dropping header of a type ServiceConnect cannot carry"
+                "dropping header of a type or range ServiceConnect cannot carry"
             ),
         }
     }
@@ -151,102 +245,49 @@ pub fn build(record: &TimeoutRecord, rabbit: &RabbitConfig, now: SystemTime) -> 
             long_string(record.id.hyphenated().to_string()),
         );
     }
+    let largest = headers
+        .inner()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_string(), field_value_size(v)))
+        .max_by_key(|(_, len)| *len);
 
     let body = format!("{{\"CorrelationId\":\"{correlation_id}\"}}").into_bytes();
     let properties = BasicProperties::default()
         .with_delivery_mode(2)
         .with_message_id(message_id.into())
         .with_headers(headers);
-    OutgoingMessage {
+    let size = header_frame_size(&properties);
+    let limit = if frame_max == 0 { u32::MAX } else { frame_max };
+    if size > limit as usize {
+        let (largest, largest_len) = largest.unwrap_or_default();
+        return Err(Unsendable::HeaderFrameTooLarge {
+            size,
+            frame_max: limit,
+            largest,
+            largest_len,
+        });
+    }
+    Ok(OutgoingMessage {
         routing_key: record.destination.clone(),
         body,
         properties,
-    }
+    })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bson::doc;
-
-    fn header(m: &OutgoingMessage, k: &str) -> Option<String> {
-        m.properties
-            .headers()
-            .as_ref()
-            .unwrap()
-            .inner()
-            .get(k)
-            .map(|v| match v {
-                AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
-                other => panic!("{k} is not a long string: {other:?}"),
-            })
-    }
-
-    fn record() -> TimeoutRecord {
-        TimeoutRecord {
-            id: Uuid::parse_str("11111111-2222-4333-8444-555555555555").unwrap(),
-            destination: "orders".into(),
-            process_manager_id: Uuid::parse_str("3F2504E0-4F89-11D3-9A0C-0305E82C3301").unwrap(),
-            due: DateTime::from_millis(0),
-            headers: doc! {
-                "Tenant": "acme",
-                "MessageType": "Publish",
-                "Flag": true,
-                "Count": 7_i32,
-                "Raw": bson::Binary { subtype: BinarySubtype::Generic, bytes: b"hi".to_vec() },
-                "Nothing": Bson::Null,
-                "Weird": [1, 2],
-            },
-        }
-    }
-
-    #[test]
-    fn time_sent_has_seven_fraction_digits() {
-        let t = SystemTime::UNIX_EPOCH + Duration::new(1_777_809_600, 123_456_789);
-        assert_eq!(format_time_sent(t), "2026-05-03T12:00:00.1234567Z");
-        assert_eq!(
-            format_time_sent(SystemTime::UNIX_EPOCH),
-            "1970-01-01T00:00:00.0000000Z"
-        );
-    }
-
-    #[test]
-    fn body_and_fixed_headers_match_v7() {
-        let m = build(&record(), &RabbitConfig::default(), SystemTime::UNIX_EPOCH);
-        assert_eq!(
-            m.body,
-            br#"{"CorrelationId":"3f2504e0-4f89-11d3-9a0c-0305e82c3301"}"#
-        );
-        assert_eq!(m.routing_key, "orders");
-        assert_eq!(*m.properties.delivery_mode(), Some(2));
-        assert_eq!(
-            m.properties.message_id().as_ref().unwrap().as_str(),
-            "11111111-2222-4333-8444-555555555555"
-        );
-        assert_eq!(header(&m, "MessageType").unwrap(), "Send");
-        assert_eq!(header(&m, "Tenant").unwrap(), "acme");
-        assert_eq!(header(&m, "Flag").unwrap(), "True");
-        assert_eq!(header(&m, "Count").unwrap(), "7");
-        assert_eq!(header(&m, "Raw").unwrap(), "base64:aGk=");
-        assert_eq!(header(&m, "Nothing").unwrap(), "");
-        assert_eq!(header(&m, "Weird"), None);
-        assert_eq!(
-            header(&m, "TimeoutId").unwrap(),
-            "11111111-2222-4333-8444-555555555555"
-        );
-        assert!(m.properties.content_type().is_none());
-        assert!(m.properties.correlation_id().is_none());
-    }
-
-    #[test]
-    fn random_mode_has_fresh_ids_and_no_timeout_id() {
-        let rabbit = RabbitConfig {
-            message_id: MessageIdMode::Random,
-            ..RabbitConfig::default()
-        };
-        let a = build(&record(), &rabbit, SystemTime::UNIX_EPOCH);
-        let b = build(&record(), &rabbit, SystemTime::UNIX_EPOCH);
-        assert_ne!(header(&a, "MessageId"), header(&b, "MessageId"));
-        assert_eq!(header(&a, "TimeoutId"), None);
-    }
+/// [`build`], with any panic inside it caught and turned into [`Unsendable::Panicked`]: the
+/// last line of defence, so that one record can never stop a wave.
+pub fn build_contained(
+    record: &TimeoutRecord,
+    rabbit: &RabbitConfig,
+    now: SystemTime,
+    frame_max: u32,
+) -> Result<OutgoingMessage, Unsendable> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        build(record, rabbit, now, frame_max)
+    }))
+    .unwrap_or_else(|panic| {
+        Err(Unsendable::Panicked(crate::supervisor::panic_message(
+            panic.as_ref(),
+        )))
+    })
 }

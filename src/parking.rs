@@ -35,6 +35,8 @@ pub mod parked_field {
     pub const ERROR: &str = "error";
     pub const ATTEMPTS: &str = "attempts";
     pub const PARKED_AT: &str = "parked_at";
+    /// A fresh UUID per park: tells one parked copy of a record from the next.
+    pub const PARK_ID: &str = "park_id";
 }
 
 /// Fields of a failed-send count in `<collection>_attempts`, whose `_id` is the record's
@@ -58,6 +60,9 @@ pub enum ParkReason {
     Undecodable,
     /// It has no `Destination`.
     EmptyDestination,
+    /// No message can carry it as it stands: a `Destination` longer than a routing key may
+    /// be, headers larger than the broker's frame, or a builder failure (the error says which).
+    Unsendable,
 }
 
 impl ParkReason {
@@ -67,6 +72,7 @@ impl ParkReason {
             Self::Nacked => "nacked",
             Self::Undecodable => "undecodable",
             Self::EmptyDestination => "empty_destination",
+            Self::Unsendable => "unsendable",
         }
     }
 }
@@ -101,6 +107,9 @@ pub enum Requeued {
     /// `Timeouts` still holds a record with this `_id` (a crash or a lost lease left two
     /// copies): the parked copy was dropped.
     AlreadyInTimeouts,
+    /// Requeued, but a daemon claimed it, failed again and parked it again before the old
+    /// parked copy was deleted: the new parked copy is kept.
+    ParkedAgain,
 }
 
 /// Access to the parking and attempts collections; cheap to clone.
@@ -211,6 +220,7 @@ impl Parking {
             parked_field::ERROR: error,
             parked_field::ATTEMPTS: i64::from(attempts),
             parked_field::PARKED_AT: self.clock.now(),
+            parked_field::PARK_ID: crate::record::uuid_bson(Uuid::new_v4()),
         };
         self.parked
             .replace_one(doc! { field::ID: id.clone() }, parked)
@@ -281,6 +291,14 @@ impl Parking {
         let Some(parked) = self.parked.find_one(doc! { field::ID: id.clone() }).await? else {
             return Ok(None);
         };
+        self.requeue_parked(&parked).await.map(Some)
+    }
+
+    /// [`Parking::requeue`] of the parked copy `parked` as it was read. The parked copy is
+    /// then deleted only if it is still that copy: a daemon may claim the requeued record,
+    /// fail again and park it again in between, and that new parked copy is the only one left.
+    pub async fn requeue_parked(&self, parked: &Document) -> Result<Requeued, StoreError> {
+        let id = parked.get(field::ID).cloned().unwrap_or(Bson::Null);
         let record = parked
             .get_document(parked_field::RECORD)
             .cloned()
@@ -290,13 +308,27 @@ impl Parking {
             Err(e) if is_duplicate_key(&e) => Requeued::AlreadyInTimeouts,
             Err(e) => return Err(e.into()),
         };
+        // Tests only: the window in which a daemon may claim, fail and park it again.
+        #[cfg(feature = "failpoints")]
+        if let Some(Some(ms)) = fail::eval("requeue-after-insert", |arg| {
+            arg.and_then(|a| a.parse::<u64>().ok())
+        }) {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
         self.attempts
             .delete_one(doc! { field::ID: id.clone() })
             .await?;
-        self.parked
-            .delete_one(doc! { field::ID: id.clone() })
-            .await?;
-        Ok(Some(outcome))
+        // Copies parked before park_id existed have none: null matches a missing field.
+        let this_copy = doc! {
+            field::ID: id,
+            parked_field::PARK_ID: parked.get(parked_field::PARK_ID).cloned().unwrap_or(Bson::Null),
+        };
+        let deleted = self.parked.delete_one(this_copy).await?;
+        Ok(if deleted.deleted_count == 1 {
+            outcome
+        } else {
+            Requeued::ParkedAgain
+        })
     }
 
     /// Every parked `_id`, oldest first.

@@ -6,6 +6,7 @@
 
 use futures::future::join_all;
 use std::collections::HashSet;
+use std::time::Duration;
 
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -22,6 +23,8 @@ use crate::message::OutgoingMessage;
 pub enum PublishError {
     #[error("RabbitMQ: {0}")]
     Amqp(#[from] lapin::Error),
+    #[error("RabbitMQ: {0}")]
+    Deadline(#[from] crate::deadline::Elapsed),
     #[error("cannot read TLS file {path}: {source}")]
     TlsFile {
         path: std::path::PathBuf,
@@ -114,6 +117,7 @@ pub struct Publisher {
     name: String,
     tls: OwnedTLSConfig,
     link: Option<(Connection, Channel)>,
+    connect_timeout: Duration,
 }
 
 impl Publisher {
@@ -145,7 +149,19 @@ impl Publisher {
                 cert_chain,
             },
             link: None,
+            connect_timeout: config.connect_timeout,
         })
+    }
+
+    /// The largest frame the broker accepts on the open connection (its `frame_max`), or
+    /// RabbitMQ's default before one is open. A message's content header must fit in it.
+    pub fn frame_max(&self) -> u32 {
+        match &self.link {
+            Some((conn, _)) if conn.configuration().frame_max() > 0 => {
+                conn.configuration().frame_max()
+            }
+            _ => crate::message::DEFAULT_FRAME_MAX,
+        }
     }
 
     /// Whether the connection and channel are open.
@@ -155,28 +171,39 @@ impl Publisher {
             .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected())
     }
 
-    /// Opens the connection and a confirm-mode channel unless already open.
+    /// Opens the connection and a confirm-mode channel unless already open, within
+    /// `[rabbitmq] connect_timeout`.
     pub async fn connect(&mut self) -> Result<(), PublishError> {
         if self.is_connected() {
             return Ok(());
         }
         self.link = None;
         let props = ConnectionProperties::default().with_connection_name(self.name.clone().into());
-        let runtime = lapin::runtime::default_runtime()?;
-        let conn =
-            Connection::connect_with_config(&self.uri, props, self.tls.clone(), runtime).await?;
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        self.link = Some((conn, channel));
+        let (uri, tls) = (self.uri.clone(), self.tls.clone());
+        let link = crate::deadline::within(self.connect_timeout, "connecting to RabbitMQ", async {
+            let runtime = lapin::runtime::default_runtime()?;
+            let conn = Connection::connect_with_config(&uri, props, tls, runtime).await?;
+            let channel = conn.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok::<_, PublishError>((conn, channel))
+        })
+        .await?;
+        self.link = Some(link);
         Ok(())
     }
 
-    /// Closes the connection politely (at shutdown).
+    /// Closes the connection politely (at shutdown), within `[rabbitmq] connect_timeout`.
     pub async fn close(&mut self) {
         if let Some((conn, _)) = self.link.take() {
-            let _ = conn.close(200, "timeoutd shutting down".into()).await;
+            let close = conn.close(200, "timeoutd shutting down".into());
+            if tokio::time::timeout(self.connect_timeout, close)
+                .await
+                .is_err()
+            {
+                tracing::warn!(timeout = ?self.connect_timeout, "RabbitMQ did not answer the close in time; dropping the connection");
+            }
         }
     }
 
@@ -194,34 +221,47 @@ impl Publisher {
             mandatory: true,
             ..BasicPublishOptions::default()
         };
+        // lapin resolves a publish once its frames reach the socket: a broker that stops
+        // reading (a memory or disk alarm) blocks it, so the writes share the confirms'
+        // deadline. A publish begun is of unknown outcome once given up on (its frames may
+        // still go out); one never begun was not sent.
         let mut pending = Vec::with_capacity(messages.len());
-        let mut broken: Option<String> = None;
+        let mut broken: Option<SendOutcome> = None;
         for m in messages {
-            if broken.is_some() {
-                pending.push(Err(broken.clone().unwrap_or_default()));
+            if let Some(outcome) = &broken {
+                let not_sent = match outcome {
+                    SendOutcome::NotSent(e) | SendOutcome::Connection(e) => e.clone(),
+                    _ => "an earlier publish of the wave did not finish in time".into(),
+                };
+                pending.push(Err(SendOutcome::NotSent(not_sent)));
                 continue;
             }
-            match channel
-                .basic_publish(
-                    "".into(),
-                    m.routing_key.as_str().into(),
-                    options,
-                    &m.body,
-                    m.properties.clone(),
-                )
-                .await
-            {
-                Ok(confirm) => pending.push(Ok(confirm)),
-                Err(e) => {
-                    broken = Some(e.to_string());
-                    pending.push(Err(e.to_string()));
+            let publish = channel.basic_publish(
+                "".into(),
+                m.routing_key.as_str().into(),
+                options,
+                &m.body,
+                m.properties.clone(),
+            );
+            tokio::select! {
+                published = publish => match published {
+                    Ok(confirm) => pending.push(Ok(confirm)),
+                    Err(e) => {
+                        let failed = SendOutcome::NotSent(e.to_string());
+                        broken = Some(failed.clone());
+                        pending.push(Err(failed));
+                    }
+                },
+                _ = stop_waiting.cancelled() => {
+                    broken = Some(SendOutcome::TimedOut);
+                    pending.push(Err(SendOutcome::TimedOut));
                 }
             }
         }
         let confirms = join_all(pending.into_iter().map(|p| async move {
             let confirm = match p {
                 Ok(c) => c,
-                Err(e) => return Err(SendOutcome::NotSent(e)),
+                Err(outcome) => return Err(outcome),
             };
             tokio::select! {
                 c = confirm => c.map_err(|e| SendOutcome::Connection(e.to_string())),

@@ -4,11 +4,11 @@
 //! Decoding never panics: anything unexpected becomes a [`DecodeError`] naming the field, and
 //! the record is left for a later poll (or parked, once parking exists).
 
-use bson::spec::BinarySubtype;
 use bson::{Bson, DateTime, Document};
 use uuid::Uuid;
 
-use crate::config::TimeEncoding;
+use crate::config::{TimeEncoding, UuidRepresentation};
+use crate::{due, guid};
 
 /// Field names of the ServiceConnect document. The record must never gain other fields.
 pub mod field {
@@ -18,6 +18,8 @@ pub mod field {
     pub const TIME: &str = "Time";
     /// The ticks element of an array-encoded `Time`, the key the due query and index use.
     pub const TIME_TICKS: &str = "Time.0";
+    /// The offset element (minutes) of an array-encoded `Time`.
+    pub const TIME_OFFSET: &str = "Time.1";
     pub const HEADERS: &str = "Headers";
     pub const LOCKED: &str = "Locked";
     pub const LOCKED_BY: &str = "LockedBy";
@@ -28,7 +30,6 @@ pub mod field {
 pub const UNIX_EPOCH_TICKS: i64 = 621_355_968_000_000_000;
 /// .NET ticks per millisecond.
 pub const TICKS_PER_MS: i64 = 10_000;
-const TICKS_PER_MINUTE: i64 = 600_000_000;
 
 /// Unix milliseconds to .NET ticks.
 pub fn ms_to_ticks(unix_ms: i64) -> i64 {
@@ -39,34 +40,25 @@ pub fn ms_to_ticks(unix_ms: i64) -> i64 {
 
 /// .NET ticks to Unix milliseconds (rounded down).
 pub fn ticks_to_ms(ticks: i64) -> i64 {
-    (ticks - UNIX_EPOCH_TICKS).div_euclid(TICKS_PER_MS)
+    ticks
+        .saturating_sub(UNIX_EPOCH_TICKS)
+        .div_euclid(TICKS_PER_MS)
 }
 
-/// The BSON value of `Time` for a due instant, in the given encoding.
+/// The BSON value of `Time` for a due instant, in the given encoding (see [`due::encode`]).
 pub fn encode_time(due: DateTime, encoding: TimeEncoding) -> Bson {
-    match encoding {
-        TimeEncoding::DotnetTicks => Bson::Array(vec![
-            Bson::Int64(ms_to_ticks(due.timestamp_millis())),
-            Bson::Int32(0),
-        ]),
-        TimeEncoding::Date => Bson::DateTime(due),
-    }
+    due::encode(due, encoding)
 }
 
-/// A BSON Binary subtype 4 UUID, as ServiceConnect stores ids.
+/// A GUID as BSON Binary subtype 4 (standard representation).
 pub fn uuid_bson(id: Uuid) -> Bson {
-    Bson::Binary(bson::Binary {
-        subtype: BinarySubtype::Uuid,
-        bytes: id.as_bytes().to_vec(),
-    })
+    guid::to_bson(id, UuidRepresentation::Standard)
 }
 
-/// Reads a Binary subtype 4 value as a UUID.
+/// Reads a GUID stored as Binary subtype 4 or as subtype 3 in the C# legacy byte order, as
+/// .NET prints it (see [`crate::guid`]).
 pub fn bson_uuid(value: &Bson) -> Option<Uuid> {
-    match value {
-        Bson::Binary(b) if b.subtype == BinarySubtype::Uuid => Uuid::from_slice(&b.bytes).ok(),
-        _ => None,
-    }
+    guid::from_bson(value)
 }
 
 /// The `_id`s of documents (as read with an `_id` projection).
@@ -76,34 +68,87 @@ pub fn ids_of(docs: Vec<Document>) -> Vec<Bson> {
         .collect()
 }
 
-/// An `_id` for logs: the UUID when it is one, else the raw BSON.
+/// An `_id` for logs: the GUID as .NET prints it when it is one, else the raw BSON.
 pub fn display_id(id: &Bson) -> String {
     bson_uuid(id)
         .map(|u| u.to_string())
         .unwrap_or_else(|| id.to_string())
 }
 
+/// The C# driver's discriminator of a value stored with its .NET type, as in
+/// `{ "_t": "System.Byte[]", "_v": BinData(0, ...) }`.
+const DISCRIMINATOR: &str = "_t";
+const DISCRIMINATED_VALUE: &str = "_v";
+
+/// Stored header values with the C# driver's discriminated form (`{_t, _v}`, used for
+/// `object`-typed values such as the `byte[]` headers that arrived from RabbitMQ) unwrapped
+/// to their `_v`, so that [`crate::message`] formats the value itself.
+pub fn normalize_headers(headers: &Document) -> Document {
+    headers
+        .iter()
+        .map(|(k, v)| (k.clone(), unwrap_discriminated(v)))
+        .collect()
+}
+
+fn unwrap_discriminated(value: &Bson) -> Bson {
+    match value {
+        Bson::Document(d)
+            if d.len() == 2
+                && matches!(d.get(DISCRIMINATOR), Some(Bson::String(_)))
+                && d.contains_key(DISCRIMINATED_VALUE) =>
+        {
+            d.get(DISCRIMINATED_VALUE).cloned().unwrap_or(Bson::Null)
+        }
+        other => other.clone(),
+    }
+}
+
+/// How stored records are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decoding {
+    /// Which `Time` shapes are served.
+    pub time: TimeEncoding,
+    /// Whether the stored `Headers` are kept (and so forwarded with the message).
+    pub forward_headers: bool,
+}
+
+impl From<TimeEncoding> for Decoding {
+    fn from(time: TimeEncoding) -> Self {
+        Self {
+            time,
+            forward_headers: true,
+        }
+    }
+}
+
 /// A decoded timeout record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TimeoutRecord {
+    /// The GUID as .NET prints it, whatever its stored representation.
     pub id: Uuid,
     /// The queue to send to; empty when the writer stored null or `""`.
     pub destination: String,
+    /// The saga's id as .NET prints it: the message's `CorrelationId`.
     pub process_manager_id: Uuid,
     /// The due instant (UTC).
     pub due: DateTime,
-    /// Custom headers as stored; [`crate::message`] turns them into AMQP strings.
+    /// Custom headers, `{_t, _v}` values unwrapped; [`crate::message`] turns them into AMQP
+    /// strings. Empty when `forward_headers` is off.
     pub headers: Document,
 }
 
 /// Why a stored document is not a usable timeout record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
-    #[error("_id is missing or not a UUID (Binary subtype 4)")]
+    #[error(
+        "_id is missing, the nil GUID, or not a GUID (Binary subtype 4, or 3 in C# legacy order)"
+    )]
     Id,
     #[error("Destination is not a string")]
     Destination,
-    #[error("ProcessManagerId is missing or not a UUID (Binary subtype 4)")]
+    #[error(
+        "ProcessManagerId is missing or not a GUID (Binary subtype 4, or 3 in C# legacy order)"
+    )]
     ProcessManagerId,
     #[error("Time is missing or not {0}")]
     Time(&'static str),
@@ -114,11 +159,12 @@ pub enum DecodeError {
 impl TimeoutRecord {
     /// Only the due instant of a raw document, when its `Time` decodes.
     pub fn decode_due(doc: &Document, encoding: TimeEncoding) -> Option<DateTime> {
-        decode_time(doc.get(field::TIME), encoding).ok()
+        due::decode(doc.get(field::TIME), encoding).ok()
     }
 
-    /// Decodes a raw `Timeouts` document.
-    pub fn decode(doc: &Document, encoding: TimeEncoding) -> Result<Self, DecodeError> {
+    /// Decodes a raw `Timeouts` document (`Decoding::from(encoding)` to keep the headers).
+    pub fn decode(doc: &Document, decoding: impl Into<Decoding>) -> Result<Self, DecodeError> {
+        let decoding = decoding.into();
         let id = doc
             .get(field::ID)
             .and_then(bson_uuid)
@@ -133,10 +179,11 @@ impl TimeoutRecord {
             .get(field::PROCESS_MANAGER_ID)
             .and_then(bson_uuid)
             .ok_or(DecodeError::ProcessManagerId)?;
-        let due = decode_time(doc.get(field::TIME), encoding)?;
+        let due = due::decode(doc.get(field::TIME), decoding.time)?;
         let headers = match doc.get(field::HEADERS) {
             None | Some(Bson::Null) => Document::new(),
-            Some(Bson::Document(d)) => d.clone(),
+            Some(Bson::Document(d)) if decoding.forward_headers => normalize_headers(d),
+            Some(Bson::Document(_)) => Document::new(),
             Some(_) => return Err(DecodeError::Headers),
         };
         Ok(Self {
@@ -148,53 +195,27 @@ impl TimeoutRecord {
         })
     }
 
-    /// The document ServiceConnect v7 would write for this record: free, with every field.
+    /// The document ServiceConnect v7 would write for this record (free, every field), with
+    /// standard GUIDs.
     pub fn to_document(&self, encoding: TimeEncoding) -> Document {
+        self.to_document_as(encoding, UuidRepresentation::Standard)
+    }
+
+    /// [`TimeoutRecord::to_document`] with GUIDs in the given representation.
+    pub fn to_document_as(&self, encoding: TimeEncoding, uuids: UuidRepresentation) -> Document {
         let mut d = Document::new();
-        d.insert(field::ID, uuid_bson(self.id));
+        d.insert(field::ID, guid::to_bson(self.id, uuids));
         d.insert(field::DESTINATION, self.destination.clone());
         d.insert(
             field::PROCESS_MANAGER_ID,
-            uuid_bson(self.process_manager_id),
+            guid::to_bson(self.process_manager_id, uuids),
         );
         d.insert(field::TIME, encode_time(self.due, encoding));
         d.insert(field::HEADERS, self.headers.clone());
         d.insert(field::LOCKED, false);
-        d.insert(field::LOCKED_BY, uuid_bson(Uuid::nil()));
+        d.insert(field::LOCKED_BY, guid::to_bson(Uuid::nil(), uuids));
         d.insert(field::LOCK_EXPIRES_AT, Bson::Null);
         d
-    }
-}
-
-fn decode_time(value: Option<&Bson>, encoding: TimeEncoding) -> Result<DateTime, DecodeError> {
-    match encoding {
-        TimeEncoding::Date => match value {
-            Some(Bson::DateTime(d)) => Ok(*d),
-            _ => Err(DecodeError::Time("a BSON Date")),
-        },
-        TimeEncoding::DotnetTicks => {
-            const EXPECTED: &str = "an array [Int64 ticks, Int32 offsetMinutes]";
-            let Some(Bson::Array(parts)) = value else {
-                return Err(DecodeError::Time(EXPECTED));
-            };
-            let integer = |b: &Bson| match b {
-                Bson::Int64(v) => Some(*v),
-                Bson::Int32(v) => Some(i64::from(*v)),
-                _ => None,
-            };
-            let (Some(ticks), Some(offset)) = (
-                parts.first().and_then(integer),
-                parts.get(1).and_then(integer),
-            ) else {
-                return Err(DecodeError::Time(EXPECTED));
-            };
-            if parts.len() != 2 || !(0..=3_155_378_975_999_999_999).contains(&ticks) {
-                return Err(DecodeError::Time(EXPECTED));
-            }
-            // DateTimeOffset stores clock ticks at its offset; UTC is ticks minus the offset.
-            let utc_ticks = ticks - offset.clamp(-14 * 60, 14 * 60) * TICKS_PER_MINUTE;
-            Ok(DateTime::from_millis(ticks_to_ms(utc_ticks)))
-        }
     }
 }
 
@@ -287,6 +308,85 @@ mod tests {
             TimeoutRecord::decode(&v7_doc(), TimeEncoding::Date),
             Err(DecodeError::Time(_))
         ));
+    }
+
+    /// A record as public ServiceConnect (C# driver 2.x defaults) stores it: C# legacy GUIDs,
+    /// `Time` a BSON date, a `byte[]` header in discriminated form, no lease fields.
+    fn public_release_doc() -> Document {
+        let legacy = |bytes: [u8; 16]| {
+            Bson::Binary(bson::Binary {
+                subtype: bson::spec::BinarySubtype::UuidOld,
+                bytes: bytes.to_vec(),
+            })
+        };
+        doc! {
+            // .NET prints these as 00112233-4455-6677-8899-aabbccddeeff and
+            // 3f2504e0-4f89-11d3-9a0c-0305e82c3301.
+            "_id": legacy([0x33, 0x22, 0x11, 0x00, 0x55, 0x44, 0x77, 0x66, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0xff]),
+            "Destination": "orders",
+            "ProcessManagerId": legacy([0xe0, 0x04, 0x25, 0x3f, 0x89, 0x4f, 0xd3, 0x11, 0x9a, 0x0c, 0x03, 0x05, 0xe8, 0x2c, 0x33, 0x01]),
+            "Time": DateTime::from_millis(1_767_225_600_000),
+            "Headers": {
+                "Tenant": "a",
+                "Token": { "_t": "System.Byte[]", "_v": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: b"hi".to_vec() } },
+                "Flag": true,
+            },
+            "Locked": false,
+        }
+    }
+
+    #[test]
+    fn decodes_a_public_release_record() {
+        let r = TimeoutRecord::decode(&public_release_doc(), TimeEncoding::Auto).unwrap();
+        assert_eq!(r.id.to_string(), "00112233-4455-6677-8899-aabbccddeeff");
+        assert_eq!(
+            r.process_manager_id.to_string(),
+            "3f2504e0-4f89-11d3-9a0c-0305e82c3301"
+        );
+        assert_eq!(r.due.timestamp_millis(), 1_767_225_600_000);
+        assert_eq!(
+            r.headers,
+            doc! {
+                "Tenant": "a",
+                "Token": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: b"hi".to_vec() },
+                "Flag": true,
+            }
+        );
+        let legacy = r.to_document_as(TimeEncoding::Date, UuidRepresentation::CsharpLegacy);
+        assert_eq!(legacy.get("_id"), public_release_doc().get("_id"));
+        assert_eq!(
+            legacy.get("ProcessManagerId"),
+            public_release_doc().get("ProcessManagerId")
+        );
+        let quiet = Decoding {
+            time: TimeEncoding::Date,
+            forward_headers: false,
+        };
+        assert!(
+            TimeoutRecord::decode(&public_release_doc(), quiet)
+                .unwrap()
+                .headers
+                .is_empty()
+        );
+        assert!(matches!(
+            TimeoutRecord::decode(&public_release_doc(), TimeEncoding::DotnetTicks),
+            Err(DecodeError::Time(_))
+        ));
+    }
+
+    #[test]
+    fn only_the_exact_discriminated_form_is_unwrapped() {
+        let h = doc! {
+            "a": { "_t": "System.Byte[]", "_v": 1 },
+            "b": { "_t": "x", "_v": 1, "more": 2 },
+            "c": { "_t": 5, "_v": 1 },
+            "d": { "_v": 1 },
+        };
+        let n = normalize_headers(&h);
+        assert_eq!(n.get("a"), Some(&Bson::Int32(1)));
+        for k in ["b", "c", "d"] {
+            assert_eq!(n.get(k), h.get(k), "{k}");
+        }
     }
 
     #[test]

@@ -12,17 +12,23 @@ use futures::TryStreamExt;
 use mongodb::change_stream::event::ChangeStreamEvent;
 use mongodb::options::{Acknowledgment, ClientOptions, IndexOptions};
 use mongodb::{Client, Collection, Database, IndexModel};
-use serde::Serialize;
 use uuid::Uuid;
 
 use crate::clock::ServerClock;
-use crate::config::{MongoConfig, TimeEncoding};
-use crate::lease::{self, Lease};
-use crate::record::{DecodeError, TimeoutRecord, field};
-use crate::window::{self, ReadWindow};
+use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
+use crate::due::Shape;
+use crate::lease;
+use crate::record::{Decoding, TimeoutRecord, field};
+use crate::shapes::ShapeCache;
+use crate::window::ReadWindow;
+
+pub use crate::census::{Census, Stats};
+pub use crate::claim::{Claim, ClaimedRow};
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
-pub const DUE_INDEX: &str = "timeoutd_due";
+/// `timeoutd_due` (`{"Time.0": 1}`, before offsets were served) is no longer used: drop it.
+pub const DATE_DUE_INDEX: &str = "timeoutd_due_date";
+pub const TICKS_DUE_INDEX: &str = "timeoutd_due_offset";
 pub const LEASE_INDEX: &str = "timeoutd_lease";
 pub const OWNER_INDEX: &str = "timeoutd_owner";
 
@@ -39,74 +45,32 @@ pub enum StoreError {
     Mongo(#[from] mongodb::error::Error),
     #[error("MongoDB hello reply has no localTime")]
     NoServerTime,
-}
-
-/// One record of a claim: its raw `_id` (what every guarded write matches) and the decoded
-/// record, or why it could not be decoded.
-#[derive(Debug, Clone)]
-pub struct ClaimedRow {
-    pub id: Bson,
-    /// The document as stored, for parking it in its original shape.
-    pub raw: Document,
-    pub record: Result<TimeoutRecord, DecodeError>,
-}
-
-impl ClaimedRow {
-    /// A row as read back from the collection.
-    fn read(raw: Document, encoding: TimeEncoding) -> Self {
-        Self {
-            id: raw.get(field::ID).cloned().unwrap_or(Bson::Null),
-            record: TimeoutRecord::decode(&raw, encoding),
-            raw,
-        }
-    }
-
-    /// A row read before the claim that the claim took: its lease fields as the claim set them.
-    fn held(mut raw: Document, lease: &Lease, encoding: TimeEncoding) -> Self {
-        raw.extend(lease::leased_fields(lease));
-        Self::read(raw, encoding)
-    }
-}
-
-/// A claimed batch: the lease every row shares, rows oldest first.
-#[derive(Debug, Clone)]
-pub struct Claim {
-    pub lease: Lease,
-    pub rows: Vec<ClaimedRow>,
-    /// The claim saw claimable records it did not get (more than a batch, or lost to a
-    /// racing instance): claim again at once rather than wait for the next poll.
-    pub more: bool,
-}
-
-/// Counts for `timeoutd stats`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Stats {
-    /// Records not due yet and not leased.
-    pub pending: u64,
-    /// Due records any worker may claim now (free, or leased with an expired lease).
-    pub due: u64,
-    /// Records under a live lease.
-    pub leased: u64,
-    /// Records whose lease has expired and that the reaper has not freed yet.
-    pub expired_leases: u64,
-    /// Age of the oldest due record, leased or not, in seconds; `None` when nothing is due.
-    pub oldest_due_age_seconds: Option<f64>,
-    /// Records in the parking collection.
-    pub parked: u64,
-    /// Records with failed sends counted (waiting for a retry, or sent in the end).
-    pub retrying: u64,
+    #[error("MongoDB: {0}")]
+    Deadline(#[from] crate::deadline::Elapsed),
+    #[error("a MongoDB call panicked: {0}")]
+    Panicked(String),
 }
 
 /// A handle on the `Timeouts` collection; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Store {
-    db: Database,
-    coll: Collection<Document>,
+    pub(crate) db: Database,
+    pub(crate) coll: Collection<Document>,
     parked: Collection<Document>,
     attempts: Collection<Document>,
-    encoding: TimeEncoding,
-    clock: ServerClock,
-    window: Arc<ReadWindow>,
+    pub(crate) encoding: TimeEncoding,
+    pub(crate) uuids: UuidRepresentation,
+    pub(crate) decoding: Decoding,
+    pub(crate) clock: ServerClock,
+    pub(crate) window: Arc<ReadWindow>,
+    lock_lease: Duration,
+    pub(crate) shapes: Arc<ShapeCache>,
+    pub(crate) census_state: Arc<crate::census::CensusState>,
+    /// Deadline of every single call ([`Store::bounded`]).
+    op_timeout: Duration,
+    /// The write concern and read preference the URI set, for [`Store::durability_risks`].
+    write_concern: Option<mongodb::options::WriteConcern>,
+    selection: Option<mongodb::options::SelectionCriteria>,
 }
 
 impl Store {
@@ -115,7 +79,7 @@ impl Store {
     pub async fn connect(config: &MongoConfig, clock: ServerClock) -> Result<Self, StoreError> {
         let mut options = ClientOptions::parse(&config.uri)
             .await
-            .map_err(|e| StoreError::InvalidUri(crate::config::redact_uri(&e.kind.to_string())))?;
+            .map_err(|e| StoreError::InvalidUri(crate::redact::redact_text(&e.kind.to_string())))?;
         if let Some(wc) = &options.write_concern
             && wc.w == Some(Acknowledgment::Nodes(0))
         {
@@ -140,6 +104,10 @@ impl Store {
         if options.server_selection_timeout.is_none() {
             options.server_selection_timeout = Some(Duration::from_secs(10));
         }
+        let (write_concern, selection) = (
+            options.write_concern.clone(),
+            options.selection_criteria.clone(),
+        );
         let client = Client::with_options(options)?;
         let db = client.database(&config.database);
         let coll = db.collection::<Document>(&config.collection);
@@ -151,12 +119,62 @@ impl Store {
             parked,
             attempts,
             encoding: config.time_encoding,
+            uuids: config.uuid_representation,
+            decoding: Decoding::from(config.time_encoding),
             clock,
             window: Arc::new(ReadWindow::default()),
+            lock_lease: crate::config::DispatchConfig::default().lock_lease,
+            shapes: Arc::new(ShapeCache::default()),
+            census_state: Arc::default(),
+            op_timeout: config.operation_timeout,
+            write_concern,
+            selection,
         })
     }
 
+    /// Takes the settings outside `[mongodb]` that the store needs: whether decoded records
+    /// keep their stored headers (`[rabbitmq] forward_headers`) and the lease length (how
+    /// long a stuck lock must last before the reaper frees it).
+    pub fn with_settings(mut self, config: &crate::config::Config) -> Self {
+        self.decoding.forward_headers = config.rabbitmq.forward_headers;
+        self.lock_lease = config.dispatch.lock_lease;
+        self
+    }
+
+    /// `[dispatch] lock_lease`, as given to [`Store::with_settings`].
+    pub fn lock_lease(&self) -> Duration {
+        self.lock_lease
+    }
+
+    /// How records are decoded.
+    pub fn decoding(&self) -> Decoding {
+        self.decoding
+    }
+
+    /// The GUID representation the lease fields and `schedule` write.
+    pub fn uuid_representation(&self) -> UuidRepresentation {
+        self.uuids
+    }
+
     /// The parking collection and the failed-send counts that go with this store.
+    /// Ends the client's server sessions and stops its background tasks, within `within`.
+    /// Call before the async runtime ends: otherwise the client's drop spawns an
+    /// `endSessions` task that can race the runtime's shutdown, and the driver panics
+    /// (`connection_requester.rs:42`, a send to its connection pool's stopped worker).
+    /// Returns false when the deadline passed; the client is then leaked on purpose, so no
+    /// drop spawns that task (the process is about to exit).
+    pub async fn close(&self, within: Duration) -> bool {
+        let client = self.db.client().clone();
+        if tokio::time::timeout(within, client.clone().shutdown())
+            .await
+            .is_ok()
+        {
+            return true;
+        }
+        std::mem::forget(client);
+        false
+    }
+
     pub fn parking(&self) -> crate::parking::Parking {
         crate::parking::Parking::new(
             self.coll.clone(),
@@ -164,6 +182,26 @@ impl Store {
             self.attempts.clone(),
             self.clock.clone(),
         )
+    }
+
+    /// Runs one store call under `[mongodb] operation_timeout`: a server that stops answering
+    /// becomes a [`StoreError::Deadline`] naming the call, never a wait without end.
+    pub async fn bounded<T>(
+        &self,
+        what: &'static str,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        crate::deadline::within(self.op_timeout, what, call).await
+    }
+
+    /// One driver call under `[mongodb] operation_timeout`, its error made a [`StoreError`]:
+    /// the bound of every single query the store's own methods make.
+    pub(crate) async fn query<T>(
+        &self,
+        call: impl std::future::IntoFuture<Output = Result<T, mongodb::error::Error>>,
+    ) -> Result<T, StoreError> {
+        self.bounded("a MongoDB query", async { Ok(call.into_future().await?) })
+            .await
     }
 
     /// The clock this store stamps leases with.
@@ -176,19 +214,30 @@ impl Store {
         self.encoding
     }
 
+    /// The settings that would let a failover undo a lease write or a read miss one, on the
+    /// deployment the server describes (see [`crate::durability`]).
+    pub async fn durability_risks(&self) -> Result<Vec<String>, StoreError> {
+        let hello = self.db.run_command(doc! { "hello": 1 }).await?;
+        Ok(crate::durability::risks(
+            &hello,
+            self.write_concern.as_ref(),
+            self.selection.as_ref(),
+        ))
+    }
+
     /// Reads the server's clock (`hello.localTime`) and updates the offset estimate. Takes
     /// the sample with the shortest round trip of three, so that a first call that also opens
     /// the connection does not skew it. Also the cheapest check that the server answers.
     pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
-        let mut best: Option<(i64, DateTime, i64, i64)> = None;
+        let mut best: Option<(Duration, DateTime, std::time::Instant, std::time::Instant)> = None;
         for _ in 0..3 {
-            let sent = self.clock.local_ms();
+            let sent = std::time::Instant::now();
             let reply = self.db.run_command(doc! { "hello": 1 }).await?;
-            let received = self.clock.local_ms();
+            let received = std::time::Instant::now();
             let server = *reply
                 .get_datetime("localTime")
                 .map_err(|_| StoreError::NoServerTime)?;
-            let rtt = received - sent;
+            let rtt = received.saturating_duration_since(sent);
             if best.is_none_or(|(b, ..)| rtt < b) {
                 best = Some((rtt, server, sent, received));
             }
@@ -197,140 +246,81 @@ impl Store {
         Ok(self.clock.observe(server, sent, received))
     }
 
-    /// Creates timeoutd's own indexes if missing: the due key (so the due query scans only
-    /// due records, oldest first), the lease fields (reaper) and the owner (read-back).
+    /// Creates timeoutd's own indexes if missing: one per `Time` shape served (so each
+    /// branch of the due query scans only due records, oldest first), the lease fields
+    /// (reaper) and the owner (read-back). The date index is left out when an index on
+    /// `Time` already exists (ServiceConnect v7's `Time_1_Locked_1` serves the same
+    /// bounds). Also warns when the collection is empty and the other spelling of the
+    /// ServiceConnect database holds records.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
-        let indexes = [
-            (DUE_INDEX, doc! { lease::due_sort_key(self.encoding): 1 }),
-            (
-                LEASE_INDEX,
-                doc! { field::LOCKED: 1, field::LOCK_EXPIRES_AT: 1 },
-            ),
-            (OWNER_INDEX, doc! { field::LOCKED_BY: 1 }),
-        ];
+        let existing: Vec<Document> = match self.query(self.coll.list_indexes()).await {
+            Ok(cursor) => self
+                .query(cursor.try_collect::<Vec<_>>())
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .map(|m| m.keys)
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let time_indexed = existing
+            .iter()
+            .any(|k| k.keys().next().is_some_and(|f| f == field::TIME));
+        let mut indexes = Vec::new();
+        if self.encoding.reads_dates() && !time_indexed {
+            indexes.push((DATE_DUE_INDEX, Shape::Date.sort()));
+        }
+        if self.encoding.reads_ticks() {
+            indexes.push((TICKS_DUE_INDEX, Shape::Ticks(0).sort()));
+        }
+        indexes.push((
+            LEASE_INDEX,
+            doc! { field::LOCKED: 1, field::LOCK_EXPIRES_AT: 1 },
+        ));
+        indexes.push((OWNER_INDEX, doc! { field::LOCKED_BY: 1 }));
         for (name, keys) in indexes {
             let model = IndexModel::builder()
                 .keys(keys.clone())
                 .options(IndexOptions::builder().name(name.to_string()).build())
                 .build();
-            if let Err(e) = self.coll.create_index(model).await {
+            if let Err(e) = self.query(self.coll.create_index(model)).await {
                 // An index with the same keys under another name serves as well.
                 tracing::warn!(index = name, keys = %keys, error = %e, "could not create index; continuing");
             }
         }
+        self.warn_if_other_spelling_holds_records().await;
         Ok(())
     }
 
-    /// Claims up to `batch_size` due records, oldest first, under a fresh owner. Steps 1 to 6
-    /// of the lease protocol: candidates, compare-and-swap `updateMany`, read back.
-    pub async fn claim(&self, batch_size: u32, lease_len: Duration) -> Result<Claim, StoreError> {
-        self.claim_window(batch_size, lease_len, Duration::ZERO)
-            .await
-    }
-
-    /// [`Store::claim`] for records due within `look_ahead` from now as well; they are held
-    /// under the lease until their due instant.
-    ///
-    /// Alone, an instance takes the oldest due records. After a claim that lost records to a
-    /// racing instance it reads a random slice of the backlog instead, so that concurrent
-    /// claims mostly take different records ([`crate::window`]).
-    pub async fn claim_window(
-        &self,
-        batch_size: u32,
-        lease_len: Duration,
-        look_ahead: Duration,
-    ) -> Result<Claim, StoreError> {
-        let now = self.clock.now();
-        let lease = Lease::new(now, lease_len);
-        // While a backlog drains, read only about one batch past the last one, or a random
-        // slice after meeting a racing instance (see `crate::window`).
-        let slice = rand::random_range(0..window::SLICES);
-        let range = self.window.range(lease::add(now, look_ahead), slice);
-        // Whole documents: when the compare-and-swap takes every candidate they are the batch.
-        let found: Vec<Document> = self
-            .coll
-            .find(lease::due_within(now, range.from, range.to, self.encoding))
-            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .limit(i64::from(batch_size))
-            .await?
-            .try_collect()
-            .await?;
-        let found_count = found.len();
-        let dues: Vec<DateTime> = found
-            .iter()
-            .filter_map(|d| TimeoutRecord::decode_due(d, self.encoding))
-            .collect();
-        let windowed_more = self
-            .window
-            .update(&range, &dues, found_count >= batch_size as usize);
-        let candidates: Vec<Bson> = found
-            .iter()
-            .filter_map(|d| d.get(field::ID).cloned())
-            .collect();
-        if candidates.is_empty() {
-            return Ok(Claim {
-                lease,
-                rows: Vec::new(),
-                more: windowed_more,
-            });
-        }
-        let taken = self
-            .coll
-            .update_many(
-                lease::claim_filter(now, range.to, self.encoding, &candidates),
-                lease::claim_update(&lease),
+    /// The default database changed to the public releases' spelling: say so when this
+    /// collection is empty and the other spelling's is not.
+    async fn warn_if_other_spelling_holds_records(&self) {
+        use crate::config::{LEASE_ERA_DATABASE, PUBLIC_DATABASE};
+        let other = match self.db.name() {
+            PUBLIC_DATABASE => LEASE_ERA_DATABASE,
+            LEASE_ERA_DATABASE => PUBLIC_DATABASE,
+            _ => return,
+        };
+        let ours = self.query(self.coll.estimated_document_count()).await;
+        let theirs = self
+            .query(
+                self.db
+                    .client()
+                    .database(other)
+                    .collection::<Document>(self.coll.name())
+                    .estimated_document_count(),
             )
             .await;
-        if let Ok(r) = &taken
-            && r.modified_count < candidates.len() as u64
+        if let (Ok(0), Ok(n)) = (ours, theirs)
+            && n > 0
         {
-            self.window.raced();
+            tracing::warn!(
+                database = self.db.name(),
+                other_database = other,
+                records_there = n,
+                "this database's timeouts collection is empty but the other spelling of the ServiceConnect database holds records: set [mongodb] database to the one your services write"
+            );
         }
-        let rows = match taken {
-            Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
-            // Every candidate matched the compare-and-swap, so every one is now under this
-            // lease: the documents read are the batch (ServiceConnect changes only the lease
-            // fields of a stored record), and the read-back is skipped.
-            Ok(r) if r.modified_count == candidates.len() as u64 => Ok(found
-                .into_iter()
-                .map(|d| ClaimedRow::held(d, &lease, self.encoding))
-                .collect()),
-            // A racing instance took some: read back which are ours.
-            Ok(_) => self.read_back(&candidates, &lease).await,
-            Err(e) => Err(e),
-        };
-        match rows {
-            Ok(rows) => Ok(Claim {
-                more: windowed_more || found_count > rows.len(),
-                lease,
-                rows,
-            }),
-            Err(e) => {
-                // Between the update and the read-back: free what we may hold, best effort.
-                if let Err(release_err) = self.release_many(&candidates, lease.owner).await {
-                    tracing::warn!(owner = %lease.owner, error = %release_err, "could not release a failed claim; its leases will expire");
-                }
-                Err(e.into())
-            }
-        }
-    }
-
-    async fn read_back(
-        &self,
-        candidates: &[Bson],
-        lease: &Lease,
-    ) -> Result<Vec<ClaimedRow>, mongodb::error::Error> {
-        let docs: Vec<Document> = self
-            .coll
-            .find(lease::held_many(candidates, lease.owner, self.clock.now()))
-            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .await?
-            .try_collect()
-            .await?;
-        Ok(docs
-            .into_iter()
-            .map(|d| ClaimedRow::read(d, self.encoding))
-            .collect())
     }
 
     /// Deletes the given records that `owner` still holds under a live lease; returns how
@@ -364,7 +354,7 @@ impl Store {
             .coll
             .update_one(
                 lease::held_one(id, owner, self.clock.now()),
-                lease::release_update(),
+                lease::release_update(self.uuids),
             )
             .await?;
         Ok(r.matched_count == 1)
@@ -379,7 +369,7 @@ impl Store {
             .coll
             .update_many(
                 lease::held_many(ids, owner, self.clock.now()),
-                lease::release_update(),
+                lease::release_update(self.uuids),
             )
             .await?;
         Ok(r.matched_count)
@@ -389,31 +379,12 @@ impl Store {
     pub async fn reap(&self) -> Result<u64, StoreError> {
         let r = self
             .coll
-            .update_many(lease::expired(self.clock.now()), lease::release_update())
+            .update_many(
+                lease::expired(self.clock.now()),
+                lease::release_update(self.uuids),
+            )
             .await?;
         Ok(r.modified_count)
-    }
-
-    /// The backlog gauges: due and claimable records, and the age of the oldest due one.
-    /// Cheap: both queries are bounded by the due records, not by the future ones.
-    pub async fn backlog(&self) -> Result<(u64, Option<f64>), StoreError> {
-        let now = self.clock.now();
-        let due = self
-            .coll
-            .count_documents(lease::due_filter(now, self.encoding))
-            .await?;
-        Ok((due, self.oldest_due_age(now).await?))
-    }
-
-    async fn oldest_due_age(&self, now: DateTime) -> Result<Option<f64>, StoreError> {
-        let oldest = self
-            .coll
-            .find_one(lease::due_by(now, self.encoding))
-            .sort(doc! { lease::due_sort_key(self.encoding): 1 })
-            .await?;
-        Ok(oldest
-            .and_then(|d| TimeoutRecord::decode_due(&d, self.encoding))
-            .map(|due| (now.timestamp_millis() - due.timestamp_millis()).max(0) as f64 / 1000.0))
     }
 
     /// A change stream of the inserts into the collection (for [`crate::wakeup`]).
@@ -427,46 +398,38 @@ impl Store {
             .await?)
     }
 
-    /// Counts for operators.
-    pub async fn stats(&self) -> Result<Stats, StoreError> {
-        let now = self.clock.now();
-        let not_due = lease::all_of([
-            lease::due_after(now, self.encoding),
-            doc! { field::LOCKED: false },
-        ]);
-        let due = self
-            .coll
-            .count_documents(lease::due_filter(now, self.encoding));
-        let pending = self.coll.count_documents(not_due);
-        let leased = self.coll.count_documents(lease::held_any(now));
-        let expired = self.coll.count_documents(lease::expired(now));
-        let parking = self.parking();
-        let (due, pending, leased, expired, parked, retrying) = tokio::try_join!(
-            async { due.await.map_err(StoreError::from) },
-            async { pending.await.map_err(StoreError::from) },
-            async { leased.await.map_err(StoreError::from) },
-            async { expired.await.map_err(StoreError::from) },
-            parking.count(),
-            parking.count_retrying(),
-        )?;
-        let oldest_due_age_seconds = self.oldest_due_age(now).await?;
-        Ok(Stats {
-            pending,
-            due,
-            leased,
-            expired_leases: expired,
-            oldest_due_age_seconds,
-            parked,
-            retrying,
-        })
+    /// Inserts one free record in ServiceConnect's shape, GUIDs in the configured
+    /// representation. With `time_encoding = "auto"`, `Time` takes the shape the collection
+    /// already holds (`[ticks, 0]` when it holds only those, else a date).
+    pub async fn insert(&self, record: &TimeoutRecord) -> Result<(), StoreError> {
+        let encoding = match self.encoding {
+            TimeEncoding::Auto => {
+                let shapes = self.learn_shapes().await?;
+                if !shapes.is_empty() && !shapes.contains(&Shape::Date) {
+                    TimeEncoding::DotnetTicks
+                } else {
+                    TimeEncoding::Date
+                }
+            }
+            other => other,
+        };
+        self.query(
+            self.coll
+                .insert_one(record.to_document_as(encoding, self.uuids)),
+        )
+        .await?;
+        Ok(())
     }
 
-    /// Inserts one free record in ServiceConnect's shape.
-    pub async fn insert(&self, record: &TimeoutRecord) -> Result<(), StoreError> {
-        self.coll
-            .insert_one(record.to_document(self.encoding))
-            .await?;
-        Ok(())
+    /// The `Time` shapes the due query covers now (learned from the collection, refreshed in
+    /// the background; see [`crate::shapes`]).
+    pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
+        self.shapes.current(self).await
+    }
+
+    /// Learns the `Time` shapes from the collection now, and keeps them.
+    pub async fn learn_shapes(&self) -> Result<Vec<Shape>, StoreError> {
+        self.shapes.learn(self).await
     }
 }
 

@@ -22,13 +22,13 @@ pub async fn run(health: Arc<Health>, shutdown: CancellationToken) {
     let mut was_live = true;
     loop {
         if !ready && health.readiness().ready {
-            send(&[NotifyState::Ready, NotifyState::Status("dispatching")]);
+            send(&[NotifyState::Ready, NotifyState::Status("dispatching")]).await;
             ready = true;
         }
         let live = health.is_live();
         if let Some(period) = watchdog {
             if live {
-                send(&[NotifyState::Watchdog]);
+                send(&[NotifyState::Watchdog]).await;
             } else if was_live {
                 tracing::error!(watchdog = ?period, "dispatch loop stalled: no longer notifying the systemd watchdog");
             }
@@ -37,7 +37,11 @@ pub async fn run(health: Arc<Health>, shutdown: CancellationToken) {
         let tick = match (ready, watchdog) {
             (false, _) => READY_CHECK,
             (true, Some(period)) => period / 2,
-            (true, None) => return,
+            (true, None) => {
+                // Nothing more to tell systemd until shutdown.
+                shutdown.cancelled().await;
+                return;
+            }
         };
         tokio::select! {
             _ = tokio::time::sleep(tick) => {}
@@ -47,12 +51,36 @@ pub async fn run(health: Arc<Health>, shutdown: CancellationToken) {
 }
 
 /// Tells systemd that shutdown has begun.
-pub fn stopping() {
-    send(&[NotifyState::Stopping, NotifyState::Status("draining")]);
+pub async fn stopping() {
+    send(&[NotifyState::Stopping, NotifyState::Status("draining")]).await;
 }
 
-fn send(state: &[NotifyState]) {
-    if let Err(e) = sd_notify::notify(state) {
-        tracing::warn!(error = %e, "could not notify systemd");
+/// How long one notification may take. The notify socket is a datagram socket: a receiver
+/// that does not read makes a send block once its queue is full.
+const SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Sends one notification from a blocking-pool thread, so that a full notify socket can never
+/// hold up the daemon's runtime; gives up on it after [`SEND_TIMEOUT`].
+async fn send(state: &[NotifyState<'static>]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return;
+    }
+    // At most one send at a time: a send stuck on a full socket is not joined by more.
+    static SENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SENDING.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        tracing::warn!("systemd's notify socket has not taken the last notification; skipping one");
+        return;
+    }
+    let state = state.to_vec();
+    let sent = tokio::task::spawn_blocking(move || {
+        let result = sd_notify::notify(&state);
+        SENDING.store(false, std::sync::atomic::Ordering::Release);
+        result
+    });
+    match tokio::time::timeout(SEND_TIMEOUT, sent).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "could not notify systemd"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not notify systemd"),
+        Err(_) => tracing::warn!("systemd's notify socket did not take a notification in time"),
     }
 }

@@ -25,7 +25,10 @@ pub async fn run(
 ) {
     let mut told = false;
     while !shutdown.is_cancelled() {
-        match store.watch_inserts().await {
+        match store
+            .bounded("open the change stream", store.watch_inserts())
+            .await
+        {
             Ok(mut stream) => {
                 tracing::debug!("watching inserts (change stream)");
                 told = false;

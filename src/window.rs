@@ -120,7 +120,9 @@ impl ReadWindow {
         let mut guard = self.lock();
         let state = &mut guard.bound;
         let span_of = |first: &DateTime, last: &DateTime| {
-            (last.timestamp_millis() - first.timestamp_millis()).max(1)
+            last.timestamp_millis()
+                .saturating_sub(first.timestamp_millis())
+                .max(1)
         };
         match (dues.first(), dues.last()) {
             (Some(first), Some(last)) if full => {

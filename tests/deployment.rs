@@ -174,6 +174,7 @@ const MANIFESTS: &[&str] = &[
     "deployment.yaml",
     "kustomization.yaml",
     "pdb.yaml",
+    "prometheusrule.yaml",
     "secret.example.yaml",
     "service.yaml",
     "servicemonitor.yaml",
@@ -237,6 +238,12 @@ fn kubernetes_manifests_validate_offline() {
             "  name: timeoutd",
             "  name: timeoutd\n  name: again",
             "duplicate key 'name'",
+        ),
+        (
+            "prometheusrule.yaml",
+            "- alert: TimeoutdAbsent",
+            "- alrt: TimeoutdAbsent",
+            "alrt: Extra inputs are not permitted",
         ),
         (
             "kustomization.yaml",

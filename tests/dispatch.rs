@@ -411,12 +411,12 @@ async fn startup_creates_its_own_indexes_only() {
         env.coll
             .list_index_names()
             .await
-            .map(|n| n.iter().any(|i| i == "timeoutd_due"))
+            .map(|n| n.iter().any(|i| i == "timeoutd_owner"))
             .unwrap_or(false)
     })
     .await;
     daemon.stop().await;
-    assert!(ok, "timeoutd_due created");
+    assert!(ok, "timeoutd_owner (the last) created");
     let mut cursor = env.coll.list_indexes().await.unwrap();
     let mut keys = Vec::new();
     while let Some(ix) = futures::StreamExt::next(&mut cursor).await {
@@ -428,7 +428,12 @@ async fn startup_creates_its_own_indexes_only() {
         keys,
         vec![
             ("_id_".to_string(), doc! { "_id": 1 }),
-            ("timeoutd_due".to_string(), doc! { "Time.0": 1 }),
+            // time_encoding = "auto": one index per shape of Time.
+            ("timeoutd_due_date".to_string(), doc! { "Time": 1 }),
+            (
+                "timeoutd_due_offset".to_string(),
+                doc! { "Time.1": 1, "Time.0": 1 }
+            ),
             (
                 "timeoutd_lease".to_string(),
                 doc! { "Locked": 1, "LockExpiresAt": 1 }
@@ -436,5 +441,48 @@ async fn startup_creates_its_own_indexes_only() {
             ("timeoutd_owner".to_string(), doc! { "LockedBy": 1 }),
         ]
     );
+    env.cleanup().await;
+}
+
+/// A wake-up that arrives while a claim runs is kept: the loop claims again as soon as that
+/// claim returns (before, the claim's return set the next poll and the wake-up was lost, so
+/// the record waited up to a poll interval).
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_during_a_claim_is_not_lost() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    // Polls are 120 s apart: only the wake-up can fire the record within the test.
+    config.dispatch.poll_interval = Duration::from_secs(120);
+    config.dispatch.look_ahead = Some(Duration::from_secs(60));
+    config.dispatch.lock_lease = Duration::from_secs(300);
+    let mut consumer = env.consumer().await;
+    let mut vars = env.env_vars(&config);
+    // The first claim takes 6 s; the record is inserted while it runs.
+    vars.push(("FAILPOINTS".into(), "claim-delay=1*return(6000)".into()));
+    let d = common::fleet::Daemon::spawn("timeoutd", vars).await;
+    assert!(
+        d.logged("watching inserts", Duration::from_secs(20)).await,
+        "the change stream is open"
+    );
+    assert!(d.ready_is(200, Duration::from_secs(20)).await);
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(1_000),
+        doc! {},
+    )])
+    .await;
+    let got = consumer.take(1, Duration::from_secs(40)).await;
+    assert_eq!(
+        got.len(),
+        1,
+        "the record fired before the next poll: {:#?}",
+        d.logs()
+    );
+    assert_eq!(got[0].header("TimeoutId").unwrap(), id.to_string());
+    drop(d);
     env.cleanup().await;
 }

@@ -18,7 +18,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bson::{Bson, DateTime, doc};
+use bson::{Bson, DateTime, Document, doc};
 use common::fleet::{Daemon, DeliveryCounter, http_get, idle_metrics, series, vars};
 use common::proxy::{Mode, Proxy, host_port};
 use common::*;
@@ -760,13 +760,40 @@ async fn a_skewed_clock_steals_no_lease() {
 
     // b is polling: it sends fresh records that a does not hold.
     let extra = env.insert_due(50).await;
-    assert!(
-        eventually(secs(30), || async {
-            extra.iter().all(|id| counter.count_of(id) == 1)
-        })
-        .await,
-        "b sent the fresh records"
-    );
+    let sent = eventually(secs(30), || async {
+        extra.iter().all(|id| counter.count_of(id) == 1)
+    })
+    .await;
+    if !sent {
+        let unsent: Vec<Document> = {
+            let ids: Vec<Bson> = extra
+                .iter()
+                .filter(|id| counter.count_of(id) != 1)
+                .map(|id| uuid(*id))
+                .collect();
+            env.coll
+                .find(doc! { "_id": { "$in": ids } })
+                .projection(doc! { "Locked": 1, "LockedBy": 1, "LockExpiresAt": 1 })
+                .await
+                .unwrap()
+                .try_collect()
+                .await
+                .unwrap()
+        };
+        let holders: BTreeSet<String> = unsent
+            .iter()
+            .filter_map(|d| match d.get("LockedBy") {
+                Some(Bson::Binary(b)) => Uuid::from_slice(&b.bytes).ok().map(|u| u.to_string()),
+                _ => None,
+            })
+            .collect();
+        panic!(
+            "b sent the fresh records; {} unsent, held by {holders:?}; a's owners {:?}; a's log: {:#?}",
+            unsent.len(),
+            a.owners(),
+            a.logs_containing("WARN")
+        );
+    }
     // More polls and reaper passes of b while a's lease holds.
     tokio::time::sleep(secs(2)).await;
     let after = leased(&env).await;

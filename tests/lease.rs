@@ -10,7 +10,7 @@ use bson::{Bson, doc};
 use common::*;
 use futures::TryStreamExt;
 use timeoutd::clock::ServerClock;
-use timeoutd::config::TimeEncoding;
+use timeoutd::due::Shape;
 use timeoutd::store::{Claim, Store, StoreError};
 use uuid::Uuid;
 
@@ -308,8 +308,8 @@ async fn due_query_scans_timeoutds_index_in_order_and_stops_at_the_batch() {
         .run_command(doc! {
             "explain": {
                 "find": "Timeouts",
-                "filter": timeoutd::lease::due_within(now, None, now, TimeEncoding::DotnetTicks),
-                "sort": { timeoutd::lease::due_sort_key(TimeEncoding::DotnetTicks): 1 },
+                "filter": timeoutd::lease::due_within(now, None, now, &[Shape::Ticks(0)]),
+                "sort": Shape::Ticks(0).sort(),
                 "limit": batch,
                 "projection": { "_id": 1, "Time": 1 },
             },
@@ -330,7 +330,11 @@ async fn due_query_scans_timeoutds_index_in_order_and_stops_at_the_batch() {
         .iter()
         .find(|s| s.get_str("stage") == Ok("IXSCAN"))
         .unwrap_or_else(|| panic!("no index scan: {names:?}"));
-    assert_eq!(scan.get_str("indexName"), Ok("timeoutd_due"), "{plan}");
+    assert_eq!(
+        scan.get_str("indexName"),
+        Ok("timeoutd_due_offset"),
+        "{plan}"
+    );
     assert!(
         !names.contains(&"SORT"),
         "the index gives the order, no sort stage: {names:?}"
@@ -421,8 +425,7 @@ async fn a_slice_of_the_due_range_holds_only_claimable_records_within_both_bound
     env.insert(docs).await;
     let now = s.clock().now();
     for (lo, hi) in [(2, 6), (0, 9), (7, 7)] {
-        let filter =
-            timeoutd::lease::due_within(now, Some(dues[lo]), dues[hi], TimeEncoding::DotnetTicks);
+        let filter = timeoutd::lease::due_within(now, Some(dues[lo]), dues[hi], &[Shape::Ticks(0)]);
         let found: HashSet<Uuid> = env
             .coll
             .find(filter)

@@ -243,21 +243,22 @@ impl NotifySocket {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn systemd_notify_and_healthz_follow_a_stalled_loop() {
+async fn systemd_notify_and_health_follow_a_stalled_database() {
     let env = TestEnv::new().await;
     let proxy = Proxy::start(&host_port(&mongo_uri())).await;
     let mut config = env.config();
     config.mongodb.uri = with_query(&proxy.rewrite(&mongo_uri()), "directConnection=true");
+    config.mongodb.operation_timeout = Duration::from_secs(1);
     let notify = NotifySocket::new();
     let mut vars = env.env_vars(&config);
     vars.push(("NOTIFY_SOCKET".into(), notify.path.to_str().unwrap().into()));
     // A one-second watchdog: petted every half second while the loop is live.
     vars.push(("WATCHDOG_USEC".into(), "1000000".into()));
     let mut d = spawn(vars).await;
-    let healthz = |want: u16| {
-        let url = format!("{}/healthz", d.base);
+    let status_is = |path: &'static str, want: u16| {
+        let url = format!("{}{path}", d.base);
         async move {
-            eventually(Duration::from_secs(10), || {
+            eventually(Duration::from_secs(15), || {
                 let url = url.clone();
                 async move { http_get(url).await.0 == want }
             })
@@ -270,25 +271,30 @@ async fn systemd_notify_and_healthz_follow_a_stalled_loop() {
         "READY=1 once both services answer"
     );
     assert!(notify.expect("WATCHDOG=1", Duration::from_secs(3)).await);
-    assert!(healthz(200).await);
+    assert!(status_is("/healthz", 200).await);
 
-    // Stall MongoDB: the claim in flight never returns, so no poll completes.
+    // Stall MongoDB: every call runs into its deadline. The instance is not ready, but its
+    // loop still turns (a restart would not bring the database back): live, watchdog petted.
     proxy.set(Mode::Stall);
     assert!(
-        healthz(503).await,
-        "/healthz is 503 while the loop is stalled"
+        status_is("/readyz", 503).await,
+        "/readyz is 503 while MongoDB does not answer: {:#?}",
+        d.logs()
     );
+    let (_, body) = http_get(format!("{}/readyz", d.base)).await;
+    assert!(body.contains("mongodb unreachable"), "{body}");
+    assert_eq!(http_get(format!("{}/healthz", d.base)).await.0, 200);
     notify.drain();
     assert!(
-        !notify
-            .expect("WATCHDOG=1", Duration::from_millis(1500))
-            .await,
-        "the watchdog is not petted while the loop is stalled"
+        notify.expect("WATCHDOG=1", Duration::from_secs(3)).await,
+        "the watchdog is petted while the loop turns"
     );
 
     proxy.set(Mode::Forward);
-    assert!(healthz(200).await, "/healthz recovers with the loop");
-    assert!(notify.expect("WATCHDOG=1", Duration::from_secs(3)).await);
+    assert!(
+        status_is("/readyz", 200).await,
+        "/readyz recovers with MongoDB"
+    );
 
     d.sigterm();
     assert!(
@@ -387,5 +393,201 @@ async fn credentials_never_appear_in_logs_errors_or_endpoints() {
         let all = seen.join("\n");
         assert!(!all.contains("s3cret"), "password leaked: {all}");
     }
+    env.cleanup().await;
+}
+
+/// Starts the test binary with `FAILPOINTS` set (see `fail::FailScenario`).
+#[cfg(feature = "failpoints")]
+async fn spawn_failing(
+    env: &TestEnv,
+    config: &timeoutd::config::Config,
+    failpoints: &str,
+) -> Daemon {
+    let mut vars = env.env_vars(config);
+    vars.push(("FAILPOINTS".into(), failpoints.into()));
+    spawn(vars).await
+}
+
+/// A panic in `task`, set off by `failpoint` seconds after start (while five records are held),
+/// makes `/healthz` and `/readyz` 503, releases the records and exits 1.
+#[cfg(feature = "failpoints")]
+async fn a_panic_stops_the_daemon_unhealthy_with_its_records_released(task: &str, failpoint: &str) {
+    let env = TestEnv::new().await;
+    // Records due in a minute, claimed ahead (look-ahead) and held when the reaper panics.
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    env.insert(
+        ids.iter()
+            .map(|id| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(60_000), doc! {}))
+            .collect(),
+    )
+    .await;
+    let mut consumer = env.consumer().await;
+    let mut config = env.config();
+    config.dispatch.look_ahead = Some(Duration::from_secs(120));
+    config.dispatch.lock_lease = Duration::from_secs(300);
+    config.reaper.interval = Some(Duration::from_millis(500));
+    // The daemon lingers 3 s after the failure, so that /healthz is seen.
+    let failpoints = format!("{failpoint};daemon-linger-after-failure=return(3000)");
+    let mut d = spawn_failing(&env, &config, &failpoints).await;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            env.count(doc! { "Locked": true }).await == 5
+        })
+        .await,
+        "the daemon holds the five records: {:#?}",
+        d.logs()
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            d.get("/healthz").await.0 == 503
+        })
+        .await,
+        "/healthz turns 503 when the {task} panics: {:#?}",
+        d.logs()
+    );
+    assert_eq!(d.get("/readyz").await.0, 503);
+    let status = d.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(1), "exits non-zero: {:#?}", d.logs());
+    assert!(
+        !d.logs_containing(&format!("essential task `{task}`"))
+            .is_empty(),
+        "{:#?}",
+        d.logs()
+    );
+    assert_eq!(
+        env.count(is_free()).await,
+        5,
+        "the held records were released"
+    );
+    assert!(
+        consumer
+            .take(1, Duration::from_millis(300))
+            .await
+            .is_empty()
+    );
+    env.cleanup().await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reaper_that_panics_stops_the_daemon_unhealthy_with_its_records_released() {
+    // The reaper runs every 500 ms: its 21st pass panics.
+    a_panic_stops_the_daemon_unhealthy_with_its_records_released(
+        "reaper",
+        "reaper-panic=20*off->return",
+    )
+    .await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_handler_that_panics_stops_the_daemon_unhealthy_with_its_records_released() {
+    // The loop turns some 20 times a second with 100 ms polls: a handler panics seconds in.
+    a_panic_stops_the_daemon_unhealthy_with_its_records_released(
+        "dispatch",
+        "dispatch-handler-panic=200*off->return",
+    )
+    .await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_dispatch_loop_turns_healthz_503_and_stops_the_watchdog() {
+    let env = TestEnv::new().await;
+    let notify = NotifySocket::new();
+    let mut vars = env.env_vars(&env.config());
+    vars.push(("NOTIFY_SOCKET".into(), notify.path.to_str().unwrap().into()));
+    vars.push(("WATCHDOG_USEC".into(), "1000000".into()));
+    // After 30 events, the loop waits 12 s on an await, as an unbounded call would.
+    vars.push((
+        "FAILPOINTS".into(),
+        "dispatch-loop-stall=30*off->return(12000)".into(),
+    ));
+    let d = spawn(vars).await;
+    assert!(notify.expect("READY=1", Duration::from_secs(20)).await);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            d.get("/healthz").await.0 == 503
+        })
+        .await,
+        "/healthz turns 503 while the loop does not turn"
+    );
+    notify.drain();
+    assert!(
+        !notify
+            .expect("WATCHDOG=1", Duration::from_millis(1500))
+            .await,
+        "the watchdog is not petted while the loop is wedged"
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            d.get("/healthz").await.0 == 200
+        })
+        .await,
+        "/healthz recovers once the loop turns again"
+    );
+    drop(d);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_concern_a_failover_could_undo_is_warned_about_at_start() {
+    let env = TestEnv::new().await;
+    // The test server is a single-node replica set: w=1 could lose a lease write in a failover.
+    let mut config = env.config();
+    config.mongodb.uri = with_query(&mongo_uri(), "w=1");
+    let d = spawn(env.env_vars(&config)).await;
+    assert!(
+        d.logged("MongoDB settings weaken the lease", Duration::from_secs(20))
+            .await,
+        "{:#?}",
+        d.logs()
+    );
+    assert!(!d.logs_containing("not majority").is_empty());
+    drop(d);
+    // The default (the server's, majority on MongoDB 5.0+) draws no warning.
+    let d = spawn(env.env_vars(&env.config())).await;
+    assert!(d.ready_is(200, Duration::from_secs(20)).await);
+    assert!(d.logs_containing("weaken the lease").is_empty());
+    drop(d);
+    env.cleanup().await;
+}
+
+/// A delete the server applied but whose answer was lost (a deadline, a cut connection) is
+/// retried; the retry finds the records gone and counts them removed, not as lost leases:
+/// nobody else can delete a record under this instance's live lease.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_whose_answer_was_lost_counts_its_records_removed() {
+    let env = TestEnv::new().await;
+    let ids = env.insert_due(20).await;
+    let mut consumer = env.consumer().await;
+    let d = spawn_failing(&env, &env.config(), "remove-answer-lost=1*return").await;
+    assert_eq!(consumer.take(20, Duration::from_secs(30)).await.len(), 20);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            env.count(doc! {}).await == 0
+        })
+        .await,
+        "the records are deleted"
+    );
+    assert!(
+        d.logged("removing sent records failed", Duration::from_secs(10))
+            .await,
+        "the first attempt's answer was lost"
+    );
+    // The retry follows a back-off: wait for its count.
+    let removed = eventually(Duration::from_secs(30), || async {
+        d.metric("timeoutd_removed_total").await == ids.len() as f64
+    })
+    .await;
+    let metrics = d.metrics().await;
+    assert!(removed, "every record counted removed: {metrics}");
+    assert_eq!(
+        series(&metrics, "timeoutd_lease_lost_total"),
+        0.0,
+        "{metrics}"
+    );
+    drop(d);
     env.cleanup().await;
 }

@@ -204,6 +204,46 @@ async fn poison_records_are_parked_at_once_and_the_rest_flow() {
                 d.insert("_id", "a string id");
             }),
         ),
+        // Shapes of the public releases gone wrong: a legacy GUID of the wrong length, a
+        // discriminated header whose value is no document... and a Time before year 1.
+        (
+            "undecodable",
+            mk(&|d| {
+                d.insert(
+                    "ProcessManagerId",
+                    bson::Binary {
+                        subtype: bson::spec::BinarySubtype::UuidOld,
+                        bytes: vec![1; 15],
+                    },
+                );
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                d.insert(
+                    "_id",
+                    bson::Binary {
+                        subtype: bson::spec::BinarySubtype::UuidOld,
+                        bytes: vec![7; 17],
+                    },
+                );
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                // 0000-12-31: before .NET's DateTime.MinValue.
+                d.insert("Time", bson::DateTime::from_millis(-62_135_596_800_001));
+            }),
+        ),
+        (
+            "undecodable",
+            mk(&|d| {
+                // Clock ticks of 00:30 on 0001-01-01 at +60 min: UTC falls before year 1.
+                d.insert("Time", vec![Bson::Int64(18_000_000_000), Bson::Int32(60)]);
+            }),
+        ),
     ];
     env.insert(cases.iter().map(|(_, d)| d.clone()).collect())
         .await;
@@ -377,5 +417,76 @@ async fn returns_are_matched_to_their_own_messages_in_a_pipelined_batch() {
         assert_eq!(d.get_bool("Locked"), Ok(true), "waiting for its retry");
     }
     assert_eq!(env.count(doc! {}).await, refused.len() as u64);
+    env.cleanup().await;
+}
+
+/// `parked requeue` puts the record back, then deletes the parked copy it read. A daemon may
+/// claim the requeued record, fail again and park it again in between: that new parked copy
+/// is then the only copy left, and requeue must not delete it (before, it deleted the parked
+/// copy by `_id` alone, and the record was lost).
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_never_deletes_a_parked_copy_made_again_meanwhile() {
+    use timeoutd::clock::ServerClock;
+    use timeoutd::parking::{ParkReason, Parked, Requeued};
+    use timeoutd::store::Store;
+
+    let env = TestEnv::new().await;
+    let store = Store::connect(&env.config().mongodb, ServerClock::default())
+        .await
+        .unwrap();
+    store.refresh_clock().await.unwrap();
+    let parking = store.parking();
+    let park_claimed = || async {
+        let claim = store.claim(1, Duration::from_secs(30)).await.unwrap();
+        let row = claim.rows.into_iter().next().expect("claimed the record");
+        let parked = parking
+            .park(
+                &row.id,
+                &row.raw,
+                claim.lease.owner,
+                ParkReason::Unroutable,
+                "no queue",
+                3,
+            )
+            .await
+            .unwrap();
+        assert_eq!(parked, Parked::Moved);
+    };
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+    park_claimed().await;
+    let first_copy = parked_doc(&env, id).await.unwrap();
+
+    // Requeue pauses after its insert; meanwhile a daemon claims and parks the record again.
+    fail::cfg("requeue-after-insert", "1*return(1500)").unwrap();
+    let requeue = {
+        let parking = parking.clone();
+        tokio::spawn(async move { parking.requeue_parked(&first_copy).await })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            env.count(doc! { "_id": uuid(id) }).await == 1
+        })
+        .await,
+        "requeue put the record back"
+    );
+    park_claimed().await;
+    let outcome = requeue.await.unwrap().unwrap();
+    fail::remove("requeue-after-insert");
+
+    assert_eq!(outcome, Requeued::ParkedAgain);
+    assert!(
+        parked_doc(&env, id).await.is_some(),
+        "the record parked again is still parked, not lost"
+    );
+    assert_eq!(env.count(doc! { "_id": uuid(id) }).await, 0);
     env.cleanup().await;
 }

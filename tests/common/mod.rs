@@ -6,7 +6,9 @@
 //! its own database and its own queue names, so tests run in parallel.
 #![allow(dead_code)]
 
+pub mod csharp;
 pub mod fleet;
+pub mod hostile;
 pub mod proxy;
 
 use std::collections::BTreeMap;
@@ -46,12 +48,40 @@ pub fn mongo_uri() -> String {
     .clone()
 }
 
+/// Prefix of the test server's data directories: `<prefix><pid>-<random>`.
+const SERVER_DIR_PREFIX: &str = "timeoutd-test-secantus-";
+
+/// The data directory lives as long as the test process, which ends without dropping it:
+/// each test binary removes the ones whose process is gone (they held 100-600 MB each).
+fn remove_stale_server_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(SERVER_DIR_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// Starts `secantusd-rs --port 0` from a thread that lives as long as the test process, with
 /// the parent-death signal set so the server goes when the tests go.
 fn start_secantus() -> String {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let dir = tempfile::tempdir().expect("temp dir for secantusd-rs");
+        remove_stale_server_dirs();
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{SERVER_DIR_PREFIX}{}-", std::process::id()))
+            .tempdir()
+            .expect("temp dir for secantusd-rs");
         let mut cmd = Command::new("secantusd-rs");
         cmd.args(["--port", "0", "--log-level", "WARNING", "--storage-path"])
             .arg(dir.path())
@@ -192,7 +222,41 @@ impl TestEnv {
                 ms(c.rabbitmq.publish_timeout),
             ),
             ("TIMEOUTD_HTTP__LISTEN".into(), "127.0.0.1:0".into()),
+            (
+                "TIMEOUTD_MONGODB__OPERATION_TIMEOUT".into(),
+                ms(c.mongodb.operation_timeout),
+            ),
+            (
+                "TIMEOUTD_RABBITMQ__CONNECT_TIMEOUT".into(),
+                ms(c.rabbitmq.connect_timeout),
+            ),
+            (
+                "TIMEOUTD_DISPATCH__LOOK_AHEAD".into(),
+                ms(c.dispatch.look_ahead()),
+            ),
+            (
+                "TIMEOUTD_MONGODB__TIME_ENCODING".into(),
+                serde_json::to_value(c.mongodb.time_encoding)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default(),
+            ),
         ]
+        .into_iter()
+        .chain([
+            ("TIMEOUTD_RETRY__BASE".into(), ms(c.retry.base)),
+            ("TIMEOUTD_RETRY__CAP".into(), ms(c.retry.cap)),
+            (
+                "TIMEOUTD_RETRY__MAX_ATTEMPTS".into(),
+                c.retry.max_attempts.to_string(),
+            ),
+        ])
+        .chain(
+            c.reaper
+                .interval
+                .map(|i| ("TIMEOUTD_REAPER__INTERVAL".into(), ms(i))),
+        )
+        .collect()
     }
 
     pub async fn insert(&self, docs: Vec<Document>) {

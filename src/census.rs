@@ -1,0 +1,261 @@
+//! Counting for operators: `stats`, the backlog gauges, and the census of records nothing
+//! will fire on its own: `Time` of a shape the setting does not serve (unschedulable), and
+//! `Locked: true` without a lease expiry (stuck, left by ServiceConnect's own poller). The
+//! reaper ([`crate::reaper`]) takes the census and frees stuck records.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use serde::Serialize;
+
+use crate::due::{self, Shape};
+use crate::lease;
+use crate::record::{TimeoutRecord, display_id, field};
+use crate::store::{Store, StoreError};
+
+/// At most this many unschedulable records are named in the logs per census (each once).
+pub const NAMED_PER_CENSUS: i64 = 100;
+/// At most this many stuck records are tracked at once (public pollers leave one per crash).
+pub const STUCK_TRACKED: i64 = 1_000;
+/// How often the warning about another dispatcher is repeated while it lasts.
+pub const FOREIGN_WARNING_EVERY: Duration = Duration::from_secs(600);
+
+/// Counts for `timeoutd stats`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Stats {
+    /// Records not due yet and not leased.
+    pub pending: u64,
+    /// Due records any worker may claim now (free, or leased with an expired lease).
+    pub due: u64,
+    /// Records under a live lease.
+    pub leased: u64,
+    /// Records whose lease has expired and that the reaper has not freed yet.
+    pub expired_leases: u64,
+    /// `Locked: true` with no lease expiry: another dispatcher holds them, or died holding
+    /// them; the reaper frees them once they stayed so for a whole lease.
+    pub stuck_locks: u64,
+    /// Records whose `Time` is of no shape the `time_encoding` setting serves (or outside
+    /// .NET's range): they never fire until fixed.
+    pub unschedulable: u64,
+    /// Age of the oldest due record, leased or not, in seconds; `None` when nothing is due.
+    pub oldest_due_age_seconds: Option<f64>,
+    /// Records in the parking collection.
+    pub parked: u64,
+    /// Records with failed sends counted (waiting for a retry, or sent in the end).
+    pub retrying: u64,
+}
+
+/// What one census found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Census {
+    pub unschedulable: u64,
+    pub stuck_locks: u64,
+    /// Records locked as timeoutd never locks them (no expiry, or no owner).
+    pub foreign_locks: u64,
+}
+
+/// What the census remembers between passes, shared by the clones of a store.
+#[derive(Debug, Default)]
+pub struct CensusState {
+    /// Unschedulable records already named in the logs.
+    named: Mutex<HashSet<String>>,
+    /// Stuck records, by `_id`, and when this instance first saw each.
+    stuck_since: Mutex<HashMap<String, (Bson, Instant)>>,
+    warned_foreign_at: Mutex<Option<Instant>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn key_of(id: &Bson) -> String {
+    format!("{id:?}")
+}
+
+impl Store {
+    /// The filter of records no branch of the due query will ever match.
+    fn unschedulable_filter(&self) -> Document {
+        doc! { "$nor": [due::schedulable(self.encoding)] }
+    }
+
+    /// The backlog gauges: due and claimable records, and the age of the oldest due one.
+    /// Cheap: both queries are bounded by the due records, not by the future ones.
+    pub async fn backlog(&self) -> Result<(u64, Option<f64>), StoreError> {
+        let shapes = self.shapes().await?;
+        let now = self.clock.now();
+        let due = self
+            .query(self.coll.count_documents(lease::due_filter(now, &shapes)))
+            .await?;
+        Ok((due, self.oldest_due_age(now, &shapes).await?))
+    }
+
+    async fn oldest_due_age(
+        &self,
+        now: DateTime,
+        shapes: &[Shape],
+    ) -> Result<Option<f64>, StoreError> {
+        let mut oldest: Option<DateTime> = None;
+        for shape in shapes {
+            let first = self
+                .query(
+                    self.coll
+                        .find_one(shape.due_between(None, now))
+                        .sort(shape.sort()),
+                )
+                .await?;
+            if let Some(due) = first.and_then(|d| TimeoutRecord::decode_due(&d, self.encoding)) {
+                oldest = Some(oldest.map_or(due, |o| o.min(due)));
+            }
+        }
+        Ok(oldest.map(|due| {
+            let age_ms = now
+                .timestamp_millis()
+                .saturating_sub(due.timestamp_millis());
+            age_ms.max(0) as f64 / 1000.0
+        }))
+    }
+
+    /// Counts for operators.
+    pub async fn stats(&self) -> Result<Stats, StoreError> {
+        let shapes = self.shapes().await?;
+        let now = self.clock.now();
+        let count = |filter: Document| self.query(self.coll.count_documents(filter));
+        let not_due = lease::all_of([
+            lease::due_after(now, &shapes),
+            doc! { field::LOCKED: false },
+        ]);
+        let parking = self.parking();
+        let (due, pending, leased, expired, stuck, unschedulable, parked, retrying) = tokio::try_join!(
+            count(lease::due_filter(now, &shapes)),
+            count(not_due),
+            count(lease::held_any(now)),
+            count(lease::expired(now)),
+            count(lease::stuck()),
+            count(self.unschedulable_filter()),
+            parking.count(),
+            parking.count_retrying(),
+        )?;
+        let oldest_due_age_seconds = self.oldest_due_age(now, &shapes).await?;
+        Ok(Stats {
+            pending,
+            due,
+            leased,
+            expired_leases: expired,
+            stuck_locks: stuck,
+            unschedulable,
+            oldest_due_age_seconds,
+            parked,
+            retrying,
+        })
+    }
+
+    /// Counts what nothing will fire on its own, names each unschedulable record in the logs
+    /// once, and warns (at most every [`FOREIGN_WARNING_EVERY`]) when records are locked as
+    /// timeoutd never locks them: another dispatcher is claiming in this collection.
+    pub async fn census(&self) -> Result<Census, StoreError> {
+        let count = |filter: Document| self.query(self.coll.count_documents(filter));
+        let (unschedulable, stuck_locks, foreign_locks) = tokio::try_join!(
+            count(self.unschedulable_filter()),
+            count(lease::stuck()),
+            count(lease::foreign_locks()),
+        )?;
+        if unschedulable > 0 {
+            self.name_unschedulable().await?;
+        }
+        if foreign_locks > 0 {
+            let mut warned = locked(&self.census_state.warned_foreign_at);
+            if warned.is_none_or(|t| t.elapsed() >= FOREIGN_WARNING_EVERY) {
+                *warned = Some(Instant::now());
+                tracing::warn!(
+                    records = foreign_locks,
+                    "records in the timeouts collection are locked with no lease expiry or no owner: another dispatcher (ServiceConnect's own timeout poller?) claims records here, or died holding them. Turn ServiceConnect's poller off where timeoutd runs; the reaper frees such records once they stayed locked for a whole lease"
+                );
+            }
+        }
+        Ok(Census {
+            unschedulable,
+            stuck_locks,
+            foreign_locks,
+        })
+    }
+
+    async fn name_unschedulable(&self) -> Result<(), StoreError> {
+        let docs: Vec<Document> = self
+            .query(async {
+                self.coll
+                    .find(self.unschedulable_filter())
+                    .projection(doc! { field::ID: 1, field::TIME: 1, field::DESTINATION: 1 })
+                    .limit(NAMED_PER_CENSUS)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let mut named = locked(&self.census_state.named);
+        for d in docs {
+            let id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
+            if named.len() < 100_000 && named.insert(key_of(&id)) {
+                let time = d.get(field::TIME).map(|t| t.to_string());
+                tracing::warn!(
+                    timeout_id = %display_id(&id),
+                    time = time.as_deref().unwrap_or("(missing)"),
+                    time_encoding = ?self.encoding,
+                    "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the records this instance has seen locked without a lease expiry for at least
+    /// `lease` (`$set {Locked: false}` only, so the record keeps its own shape); returns how
+    /// many. The age is this instance's own observation, so a record is never freed before
+    /// a whole lease has passed since it was first seen stuck.
+    pub async fn free_stuck(&self, lease_len: Duration) -> Result<u64, StoreError> {
+        let docs: Vec<Document> = self
+            .query(async {
+                self.coll
+                    .find(lease::stuck())
+                    .projection(doc! { field::ID: 1 })
+                    .limit(STUCK_TRACKED)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let now = Instant::now();
+        let old: Vec<Bson> = {
+            let mut since = locked(&self.census_state.stuck_since);
+            let current: HashMap<String, Bson> = crate::record::ids_of(docs)
+                .into_iter()
+                .map(|id| (key_of(&id), id))
+                .collect();
+            since.retain(|k, _| current.contains_key(k));
+            for (k, id) in current {
+                since.entry(k).or_insert((id, now));
+            }
+            since
+                .values()
+                .filter(|(_, seen)| now.duration_since(*seen) >= lease_len)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        if old.is_empty() {
+            return Ok(0);
+        }
+        let freed = self
+            .query(self.coll.update_many(
+                lease::stuck_among(&old),
+                doc! { "$set": { field::LOCKED: false } },
+            ))
+            .await?;
+        let mut since = locked(&self.census_state.stuck_since);
+        for id in &old {
+            since.remove(&key_of(id));
+        }
+        Ok(freed.modified_count)
+    }
+}

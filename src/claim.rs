@@ -1,0 +1,188 @@
+//! The claim: steps 1 to 6 of the lease protocol. Reads the due records of each `Time` shape
+//! present (one index range each, see [`crate::due`]), merges them by true instant, takes
+//! them with the compare-and-swap `updateMany`, and reads back what a racing instance left.
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document};
+use futures::TryStreamExt;
+
+use crate::lease::{self, Lease};
+use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
+use crate::store::{Store, StoreError};
+use crate::window;
+
+/// One record of a claim: its raw `_id` (what every guarded write matches) and the decoded
+/// record, or why it could not be decoded.
+#[derive(Debug, Clone)]
+pub struct ClaimedRow {
+    pub id: Bson,
+    /// The document as stored, for parking it in its original shape.
+    pub raw: Document,
+    pub record: Result<TimeoutRecord, DecodeError>,
+}
+
+impl ClaimedRow {
+    /// A row as read back from the collection.
+    fn read(raw: Document, decoding: Decoding) -> Self {
+        Self {
+            id: raw.get(field::ID).cloned().unwrap_or(Bson::Null),
+            record: TimeoutRecord::decode(&raw, decoding),
+            raw,
+        }
+    }
+
+    /// A row read before the claim that the claim took: its lease fields as the claim set them.
+    fn held(mut raw: Document, lease: &Lease, store: &Store) -> Self {
+        raw.extend(lease::leased_fields(lease, store.uuids));
+        Self::read(raw, store.decoding)
+    }
+}
+
+/// A claimed batch: the lease every row shares, rows oldest first.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub lease: Lease,
+    pub rows: Vec<ClaimedRow>,
+    /// The claim saw claimable records it did not get (more than a batch, or lost to a
+    /// racing instance): claim again at once rather than wait for the next poll.
+    pub more: bool,
+}
+
+impl Store {
+    /// Claims up to `batch_size` due records, oldest first, under a fresh owner. Steps 1 to 6
+    /// of the lease protocol: candidates, compare-and-swap `updateMany`, read back.
+    pub async fn claim(&self, batch_size: u32, lease_len: Duration) -> Result<Claim, StoreError> {
+        self.claim_window(batch_size, lease_len, Duration::ZERO)
+            .await
+    }
+
+    /// [`Store::claim`] for records due within `look_ahead` from now as well; they are held
+    /// under the lease until their due instant.
+    ///
+    /// Alone, an instance takes the oldest due records. After a claim that lost records to a
+    /// racing instance it reads a random slice of the backlog instead, so that concurrent
+    /// claims mostly take different records ([`crate::window`]).
+    pub async fn claim_window(
+        &self,
+        batch_size: u32,
+        lease_len: Duration,
+        look_ahead: Duration,
+    ) -> Result<Claim, StoreError> {
+        let shapes = self.shapes().await?;
+        let now = self.clock.now();
+        let lease = Lease::new(now, lease_len);
+        // While a backlog drains, read only about one batch past the last one, or a random
+        // slice after meeting a racing instance (see `crate::window`).
+        let slice = rand::random_range(0..window::SLICES);
+        let range = self.window.range(lease::add(now, look_ahead), slice);
+        // Whole documents: when the compare-and-swap takes every candidate they are the batch.
+        // One query per shape, each oldest first by its own index, merged by true instant.
+        let reads = shapes.iter().map(|shape| {
+            self.coll
+                .find(lease::due_within(
+                    now,
+                    range.from,
+                    range.to,
+                    std::slice::from_ref(shape),
+                ))
+                .sort(shape.sort())
+                .limit(i64::from(batch_size))
+        });
+        let mut found: Vec<(DateTime, Document)> = Vec::new();
+        for docs in futures::future::try_join_all(
+            reads.map(|find| async move { find.await?.try_collect::<Vec<Document>>().await }),
+        )
+        .await?
+        {
+            found.extend(docs.into_iter().map(|d| {
+                // A record the decoder rejects still joins the batch (to be parked), at the
+                // end of the range it matched.
+                let due = TimeoutRecord::decode_due(&d, self.encoding).unwrap_or(range.to);
+                (due, d)
+            }));
+        }
+        found.sort_by_key(|(due, _)| due.timestamp_millis());
+        found.truncate(batch_size as usize);
+        let found_count = found.len();
+        let dues: Vec<DateTime> = found.iter().map(|(due, _)| *due).collect();
+        let windowed_more = self
+            .window
+            .update(&range, &dues, found_count >= batch_size as usize);
+        let found: Vec<Document> = found.into_iter().map(|(_, d)| d).collect();
+        let candidates: Vec<Bson> = found
+            .iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect();
+        if candidates.is_empty() {
+            return Ok(Claim {
+                lease,
+                rows: Vec::new(),
+                more: windowed_more,
+            });
+        }
+        let taken = self
+            .coll
+            .update_many(
+                lease::claim_filter(now, range.to, &shapes, &candidates),
+                lease::claim_update(&lease, self.uuids),
+            )
+            .await;
+        if let Ok(r) = &taken
+            && r.modified_count < candidates.len() as u64
+        {
+            self.window.raced();
+        }
+        let rows = match taken {
+            Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
+            // Every candidate matched the compare-and-swap, so every one is now under this
+            // lease: the documents read are the batch (ServiceConnect changes only the lease
+            // fields of a stored record), and the read-back is skipped.
+            Ok(r) if r.modified_count == candidates.len() as u64 => Ok(found
+                .into_iter()
+                .map(|d| ClaimedRow::held(d, &lease, self))
+                .collect()),
+            // A racing instance took some: read back which are ours.
+            Ok(_) => self.read_back(&candidates, &lease).await,
+            Err(e) => Err(e),
+        };
+        match rows {
+            Ok(rows) => Ok(Claim {
+                more: windowed_more || found_count > rows.len(),
+                lease,
+                rows,
+            }),
+            Err(e) => {
+                // Between the update and the read-back: free what we may hold, best effort.
+                if let Err(release_err) = self.release_many(&candidates, lease.owner).await {
+                    tracing::warn!(owner = %lease.owner, error = %release_err, "could not release a failed claim; its leases will expire");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn read_back(
+        &self,
+        candidates: &[Bson],
+        lease: &Lease,
+    ) -> Result<Vec<ClaimedRow>, mongodb::error::Error> {
+        let docs: Vec<Document> = self
+            .coll
+            .find(lease::held_many(candidates, lease.owner, self.clock.now()))
+            .await?
+            .try_collect()
+            .await?;
+        let mut rows: Vec<ClaimedRow> = docs
+            .into_iter()
+            .map(|d| ClaimedRow::read(d, self.decoding))
+            .collect();
+        rows.sort_by_key(|r| {
+            r.record
+                .as_ref()
+                .map(|r| r.due.timestamp_millis())
+                .unwrap_or(i64::MAX)
+        });
+        Ok(rows)
+    }
+}

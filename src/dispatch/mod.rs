@@ -1,0 +1,426 @@
+//! The dispatch loop: one loop over named events, one handler each, in the way River's
+//! producer runs its fetch loop.
+//!
+//! One record's path, start to end:
+//! 1. **Claim** ([`Dispatcher::start_claim`], a background task): a batch of records due now
+//!    or within the look-ahead is leased under a fresh owner ([`crate::store`],
+//!    [`crate::lease`]). [`Event::Claimed`] hands the rows to [`Dispatcher::on_claimed`]: a
+//!    record that does not decode, or has no destination, is parked at once; the rest wait in
+//!    [`Held`], soonest first.
+//! 2. **Wave** ([`Dispatcher::start_wave`]): when records fall due ([`Event::Due`]) they are
+//!    checked against the lease margin, turned into messages (a record no message can carry
+//!    is parked with the reason, the rest go on) and published pipelined by a background
+//!    task that owns the RabbitMQ link for as long as the wave lasts.
+//! 3. **Settle** ([`Dispatcher::on_wave_sent`], [`settle`]): as soon as the wave's outcomes
+//!    are known, confirmed records are removed (owner- and lease-guarded), refused ones retried
+//!    or parked, and the rest released, each in a background task.
+//!
+//! Nothing is deleted unless its publish was confirmed and its claim's lease still held; when
+//! in doubt a record is left for a later poll. No handler awaits: every call to MongoDB or
+//! RabbitMQ runs in a task, under a deadline, and reports back as an event, so the loop always
+//! turns, and each turn tells [`Health`] it is live. A handler that panics is caught: the
+//! daemon is marked failed, the loop releases what it holds and returns an error, and the
+//! process exits non-zero.
+
+mod claim;
+mod held;
+mod settle;
+mod wave;
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bson::Bson;
+use futures::FutureExt;
+use tokio::sync::Notify;
+use tokio::task::{JoinError, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::config::Config;
+use crate::health::Health;
+use crate::metrics as m;
+use crate::publisher::{PublishError, Publisher, SendOutcome};
+use crate::record::TimeoutRecord;
+use crate::store::{Claim, Store, StoreError};
+use crate::supervisor::panic_message;
+pub use claim::triage;
+pub use held::{ClaimSchedule, Held, Ready};
+use settle::Settle;
+
+/// How often the loop turns when nothing happens, so that liveness keeps being reported.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// Most background removals at once, and most other settling tasks at once.
+const MAX_REMOVALS: usize = 4;
+const MAX_SETTLING: usize = 4;
+
+/// What ends the dispatch loop other than a clean shutdown.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("a dispatch handler panicked: {0}")]
+    Panicked(String),
+    #[error(transparent)]
+    Publisher(#[from] PublishError),
+}
+
+/// What a background task reports when it ends.
+enum Done {
+    Claim {
+        started: Instant,
+        result: Result<Claim, StoreError>,
+    },
+    /// The task that had the RabbitMQ link gives it back.
+    Link {
+        publisher: Box<Publisher>,
+        work: LinkWork,
+    },
+    Removed,
+    Settled,
+}
+
+enum LinkWork {
+    Connected(Result<(), PublishError>),
+    Wave {
+        outcomes: Vec<SendOutcome>,
+        took: Duration,
+    },
+}
+
+/// The events the loop waits for.
+enum Event {
+    /// SIGTERM or SIGINT (or a failure elsewhere in the daemon).
+    Shutdown,
+    /// A background task ended.
+    Finished(Result<Done, JoinError>),
+    /// The change stream saw a record inserted due before the next poll.
+    WokenUp,
+    /// The soonest held record fell due.
+    Due,
+    /// A poll, a reconnect or a heartbeat is due.
+    Tick,
+}
+
+/// The dispatch loop's state. One per process.
+pub struct Dispatcher {
+    config: Arc<Config>,
+    store: Store,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    wake: Arc<Notify>,
+    /// The RabbitMQ link; `None` while a background task uses it (one wave at a time, so that
+    /// returns are matched to their own wave's messages).
+    publisher: Option<Publisher>,
+    link_up: bool,
+    frame_max: u32,
+    next_connect: Instant,
+    link_backoff: Backoff,
+    claims: ClaimSchedule,
+    claim_backoff: Backoff,
+    held: Held,
+    /// The records of the wave being published, in message order.
+    in_flight: Vec<Ready>,
+    /// Confirmed records waiting for a removal slot.
+    confirmed: Vec<Ready>,
+    settle_queue: VecDeque<Settle>,
+    tasks: JoinSet<Done>,
+    link_task: Option<tokio::task::Id>,
+    /// When the wave in flight started publishing.
+    wave_started: Option<Instant>,
+    removals: usize,
+    settling: usize,
+    failed: Option<String>,
+}
+
+impl Dispatcher {
+    pub fn new(
+        config: Arc<Config>,
+        store: Store,
+        publisher: Publisher,
+        health: Arc<Health>,
+        shutdown: CancellationToken,
+        wake: Arc<Notify>,
+    ) -> Self {
+        let poll = config.dispatch.poll_interval;
+        Self {
+            config,
+            store,
+            health,
+            shutdown,
+            wake,
+            frame_max: publisher.frame_max(),
+            publisher: Some(publisher),
+            link_up: false,
+            next_connect: Instant::now(),
+            link_backoff: Backoff::reconnect(),
+            claims: ClaimSchedule::new(poll),
+            claim_backoff: Backoff::reconnect(),
+            held: Held::default(),
+            in_flight: Vec::new(),
+            confirmed: Vec::new(),
+            settle_queue: VecDeque::new(),
+            tasks: JoinSet::new(),
+            link_task: None,
+            wave_started: None,
+            removals: 0,
+            settling: 0,
+            failed: None,
+        }
+    }
+
+    /// Runs until shutdown; then releases what it holds (owner-guarded), waits for the wave
+    /// in flight (at most `shutdown_timeout`) and for the settling it started, closes the
+    /// broker connection and returns. Returns an error if a handler panicked.
+    pub async fn run(mut self) -> Result<(), DispatchError> {
+        loop {
+            self.health.beat();
+            let stopping = self.shutdown.is_cancelled();
+            let started = std::panic::catch_unwind(AssertUnwindSafe(|| self.start_work(stopping)));
+            if let Err(panic) = started
+                && self.contain(panic.as_ref())
+            {
+                break;
+            }
+            m::leases_held(self.held.len() + self.in_flight.len());
+            if stopping && self.is_idle() {
+                break;
+            }
+            let event = self.next_event(stopping).await;
+            // Tests only: an await that does not return, as an unbounded call would.
+            #[cfg(feature = "failpoints")]
+            if let Some(Some(ms)) = fail::eval("dispatch-loop-stall", |arg| {
+                arg.and_then(|a| a.parse::<u64>().ok())
+            }) {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            let handled = std::panic::catch_unwind(AssertUnwindSafe(|| self.handle(event)));
+            if let Err(panic) = handled
+                && self.contain(panic.as_ref())
+            {
+                break;
+            }
+        }
+        if let Some(mut publisher) = self.publisher.take() {
+            publisher.close().await;
+        }
+        tracing::info!("dispatch loop stopped");
+        match self.failed {
+            Some(what) => Err(DispatchError::Panicked(what)),
+            None => Ok(()),
+        }
+    }
+
+    /// A handler panicked: the daemon is failed and shuts down, releasing what the loop holds.
+    /// Returns `true` if the loop already failed once: then it gives up at once, and the
+    /// leases it holds expire.
+    fn contain(&mut self, panic: &(dyn std::any::Any + Send)) -> bool {
+        let what = panic_message(panic);
+        if self.failed.is_some() {
+            tracing::error!(panic = %what, "dispatch loop panicked again while stopping; its leases will expire");
+            return true;
+        }
+        tracing::error!(panic = %what, "dispatch handler panicked; releasing what is held and stopping");
+        self.health.fail("dispatch");
+        m::task_failure("dispatch");
+        self.failed = Some(what);
+        self.shutdown.cancel();
+        false
+    }
+
+    /// Waits for the next event. The only await of the loop.
+    async fn next_event(&mut self, stopping: bool) -> Event {
+        let now = Instant::now();
+        let due_at = match (self.held.next_due(), &self.publisher) {
+            (Some(due), Some(_)) => Some(held::instant_of(due, self.store.clock().now(), now)),
+            _ => None,
+        };
+        let tick = self.next_tick(stopping, now);
+        tokio::select! {
+            _ = self.shutdown.cancelled(), if !stopping => Event::Shutdown,
+            Some(done) = self.tasks.join_next() => Event::Finished(done),
+            _ = self.wake.notified(), if !stopping => Event::WokenUp,
+            _ = tokio::time::sleep_until(due_at.unwrap_or(now).into()), if due_at.is_some() => Event::Due,
+            _ = tokio::time::sleep_until(tick.into()) => Event::Tick,
+        }
+    }
+
+    /// The next instant something other than a task or a due record needs the loop: a claim
+    /// that can start, a reconnect, or the heartbeat.
+    fn next_tick(&self, stopping: bool, now: Instant) -> Instant {
+        let mut tick = now + HEARTBEAT;
+        if !stopping {
+            if self.can_claim() {
+                tick = tick.min(self.claims.next_at());
+            }
+            if self.publisher.is_some() && !self.link_up {
+                tick = tick.min(self.next_connect);
+            }
+        }
+        tick.max(now)
+    }
+
+    /// One handler per event.
+    fn handle(&mut self, event: Event) {
+        // Tests only: a handler that panics (supervision tests).
+        #[cfg(feature = "failpoints")]
+        if fail::eval("dispatch-handler-panic", |_| ()).is_some() {
+            panic!("failpoint dispatch-handler-panic");
+        }
+        match event {
+            Event::Shutdown => self.on_shutdown(),
+            Event::Finished(Ok(done)) => self.on_finished(done),
+            Event::Finished(Err(e)) => self.on_task_died(e),
+            Event::WokenUp => self.claims.wake(),
+            // Due records and due claims are started by `start_work` at the top of the loop.
+            Event::Due | Event::Tick => {}
+        }
+    }
+
+    fn on_finished(&mut self, done: Done) {
+        match done {
+            Done::Claim { started, result } => self.on_claimed(started, result),
+            Done::Link { publisher, work } => {
+                self.link_task = None;
+                self.wave_started = None;
+                self.frame_max = publisher.frame_max();
+                self.link_up = publisher.is_connected();
+                self.publisher = Some(*publisher);
+                match work {
+                    LinkWork::Connected(result) => self.on_connected(result),
+                    LinkWork::Wave { outcomes, took } => self.on_wave_sent(outcomes, took),
+                }
+            }
+            Done::Removed => self.removals -= 1,
+            Done::Settled => self.settling -= 1,
+        }
+    }
+
+    /// Shutdown: no new claims; what is held and not sent is released at once.
+    fn on_shutdown(&mut self) {
+        let held: Vec<(Bson, crate::lease::Lease)> = self
+            .held
+            .take_all()
+            .into_iter()
+            .map(|r| (r.id, r.lease))
+            .collect();
+        if !held.is_empty() {
+            tracing::info!(
+                records = held.len(),
+                "shutdown: releasing claimed records not yet sent"
+            );
+        }
+        self.release(held, "shutdown");
+    }
+
+    /// A background task panicked or was cancelled.
+    fn on_task_died(&mut self, e: JoinError) {
+        tracing::error!(error = %e, "a dispatch task died");
+        if self.link_task == Some(e.id()) {
+            // The wave's outcomes are unknown: release its records (possible duplicates),
+            // and open a new link.
+            self.link_task = None;
+            self.wave_started = None;
+            let n = self.in_flight.len();
+            m::lease_lost(n);
+            let held = self.in_flight.drain(..).map(|r| (r.id, r.lease)).collect();
+            self.release(held, "publish_failed");
+            match Publisher::new(&self.config.rabbitmq) {
+                Ok(p) => self.publisher = Some(p),
+                Err(err) => {
+                    self.failed = Some(format!("cannot recreate the publisher: {err}"));
+                    self.shutdown.cancel();
+                }
+            }
+            self.link_up = false;
+        } else if self.claims.is_running() {
+            // Settling tasks catch their own panics, so this was the claim.
+            let wait = self.claim_backoff.next_delay();
+            self.claims.failed(wait);
+        }
+    }
+
+    /// Starts whatever is due: settling, a connect, a wave, a claim. Never awaits.
+    fn start_work(&mut self, stopping: bool) {
+        if self.link_up && self.publisher.as_ref().is_some_and(|p| !p.is_connected()) {
+            tracing::warn!("RabbitMQ connection lost; reconnecting");
+            self.link_up = false;
+            self.health.set_up(m::RABBITMQ, false);
+        }
+        if stopping && !self.held.is_empty() {
+            self.on_shutdown();
+        }
+        self.start_settling();
+        if stopping {
+            return;
+        }
+        let now = self.store.clock().now();
+        if self.publisher.is_some() && self.held.next_due().is_some_and(|d| d <= now) {
+            self.start_wave(now);
+        }
+        if self.publisher.is_some() && !self.link_up && Instant::now() >= self.next_connect {
+            self.start_connect();
+        }
+        if self.can_claim() && self.claims.is_due(Instant::now()) {
+            self.start_claim();
+        }
+    }
+
+    /// Starts removals and other settling while there are free slots. Releases come first.
+    fn start_settling(&mut self) {
+        while self.removals < MAX_REMOVALS && !self.confirmed.is_empty() {
+            let confirmed = std::mem::take(&mut self.confirmed);
+            for (lease, batch) in settle::by_lease(confirmed, |r| r.lease) {
+                let records: Vec<(Bson, TimeoutRecord)> =
+                    batch.into_iter().map(|r| (r.id, r.record)).collect();
+                let (store, health, shutdown) = (
+                    self.store.clone(),
+                    self.health.clone(),
+                    self.shutdown.clone(),
+                );
+                self.removals += 1;
+                self.tasks.spawn(async move {
+                    let removal = settle::remove(&store, &health, &records, &lease, &shutdown);
+                    if AssertUnwindSafe(removal).catch_unwind().await.is_err() {
+                        tracing::error!(%lease.owner, "removing sent records panicked; they come back when the lease expires");
+                    }
+                    Done::Removed
+                });
+            }
+        }
+        while self.settling < MAX_SETTLING
+            && let Some(work) = self.settle_queue.pop_front()
+        {
+            let (store, retry) = (self.store.clone(), self.config.retry.clone());
+            self.settling += 1;
+            self.tasks.spawn(async move {
+                if AssertUnwindSafe(work.run(&store, &retry))
+                    .catch_unwind()
+                    .await
+                    .is_err()
+                {
+                    tracing::error!(
+                        "settling a record panicked; it comes back when its lease expires"
+                    );
+                }
+                Done::Settled
+            });
+        }
+    }
+
+    /// Queues releases ahead of other settling: a released record is one a peer can send.
+    pub(super) fn release(&mut self, held: Vec<(Bson, crate::lease::Lease)>, reason: &'static str) {
+        for work in Settle::releases(held, reason).into_iter().rev() {
+            self.settle_queue.push_front(work);
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.tasks.is_empty()
+            && self.settle_queue.is_empty()
+            && self.confirmed.is_empty()
+            && self.held.is_empty()
+            && self.in_flight.is_empty()
+    }
+}

@@ -1,0 +1,164 @@
+//! Supervision of the daemon's essential tasks (dispatch, reaper, monitor, wake-ups, HTTP,
+//! systemd notifications).
+//!
+//! A task that ends, returns an error or panics while the daemon is not shutting down is a
+//! failure: it is logged at error level and counted, `/healthz` and `/readyz` turn 503 at once,
+//! shutdown begins (so the dispatch loop releases what it holds, owner-guarded), and the
+//! daemon returns an error, so that the process exits non-zero and systemd or Kubernetes
+//! restarts it. A process that runs but dispatches nothing never looks healthy.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use tokio::task::{Id, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::health::Health;
+use crate::metrics as m;
+
+/// An essential task that ended when it should not have.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("essential task `{task}` {how}; timeoutd stopped so that it can be restarted")]
+pub struct TaskFailed {
+    pub task: &'static str,
+    pub how: String,
+}
+
+/// The text of a caught panic.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+/// The daemon's essential tasks.
+pub struct Supervisor {
+    tasks: JoinSet<Result<(), String>>,
+    names: HashMap<Id, &'static str>,
+    /// Tasks that run until after the drain (the HTTP endpoints): not waited for by
+    /// [`Supervisor::watch`].
+    lasting: usize,
+    shutdown: CancellationToken,
+    health: Arc<Health>,
+}
+
+impl Supervisor {
+    pub fn new(shutdown: CancellationToken, health: Arc<Health>) -> Self {
+        Self {
+            tasks: JoinSet::new(),
+            names: HashMap::new(),
+            lasting: 0,
+            shutdown,
+            health,
+        }
+    }
+
+    /// Starts an essential task that runs until shutdown.
+    pub fn spawn<E: std::fmt::Display>(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = Result<(), E>> + Send + 'static,
+    ) {
+        let handle = self.tasks.spawn(async move {
+            match AssertUnwindSafe(task).catch_unwind().await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(format!("failed: {e}")),
+                Err(panic) => Err(format!("panicked: {}", panic_message(panic.as_ref()))),
+            }
+        });
+        self.names.insert(handle.id(), name);
+    }
+
+    /// Starts an essential task that lasts until after the drain (stopped by its own token).
+    pub fn spawn_lasting<E: std::fmt::Display>(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = Result<(), E>> + Send + 'static,
+    ) {
+        self.lasting += 1;
+        self.spawn(name, task);
+    }
+
+    /// Waits for shutdown or for the first failure (which starts shutdown), then for every
+    /// task but the lasting ones to end, at most `drain` long. Returns the failure, if any.
+    pub async fn watch(&mut self, drain: Duration) -> Result<(), TaskFailed> {
+        let mut failure = None;
+        while !self.shutdown.is_cancelled() {
+            tokio::select! {
+                biased;
+                _ = self.shutdown.cancelled() => {}
+                Some(joined) = self.tasks.join_next_with_id() => {
+                    let (task, how) = self.outcome(joined);
+                    // A task that ended cleanly because shutdown began in the meantime is
+                    // not a failure.
+                    let how = match how {
+                        None if self.shutdown.is_cancelled() => continue,
+                        None => "ended".into(),
+                        Some(how) => how,
+                    };
+                    failure = Some(self.failed(task, how));
+                }
+            }
+        }
+        let drained = tokio::time::timeout(drain, async {
+            while self.tasks.len() > self.lasting {
+                let Some(joined) = self.tasks.join_next_with_id().await else {
+                    break;
+                };
+                if let (task, Some(how)) = self.outcome(joined) {
+                    let failed = self.failed(task, how);
+                    failure.get_or_insert(failed);
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(timeout = ?drain, "tasks did not stop in time; the leases they hold will expire");
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Ends the lasting tasks (their own tokens were cancelled) and anything left.
+    pub async fn finish(mut self, within: Duration) {
+        if tokio::time::timeout(within, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await
+        .is_err()
+        {
+            self.tasks.shutdown().await;
+        }
+    }
+
+    fn outcome(
+        &mut self,
+        joined: Result<(Id, Result<(), String>), tokio::task::JoinError>,
+    ) -> (&'static str, Option<String>) {
+        match joined {
+            Ok((id, result)) => (self.names.remove(&id).unwrap_or("task"), result.err()),
+            Err(e) => (
+                self.names.remove(&e.id()).unwrap_or("task"),
+                Some(format!("was cancelled: {e}")),
+            ),
+        }
+    }
+
+    fn failed(&self, task: &'static str, how: String) -> TaskFailed {
+        tracing::error!(
+            task,
+            how,
+            "essential task stopped; shutting down to be restarted"
+        );
+        self.health.fail(task);
+        m::task_failure(task);
+        m::up(false);
+        self.shutdown.cancel();
+        TaskFailed { task, how }
+    }
+}

@@ -1,0 +1,142 @@
+//! The census of records nothing fires on its own, against the real test MongoDB and
+//! RabbitMQ: stuck `Locked: true` records without a lease (left by public ServiceConnect's
+//! poller) and records whose `Time` no branch of the due query matches.
+
+mod common;
+
+use std::time::Duration;
+
+use bson::{Bson, doc};
+use common::csharp::*;
+use common::fleet::{Daemon, vars};
+use common::*;
+use timeoutd::config::TimeEncoding;
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_lock_is_counted_freed_after_a_lease_and_fired() {
+    let env = TestEnv::new().await;
+    let (id, pm) = (Uuid::new_v4(), Uuid::new_v4());
+    // What public ServiceConnect's poller leaves when it dies between lock and delete.
+    let mut stuck = public_record(id, &env.queue, pm, in_ms(-60_000));
+    stuck.insert("Locked", true);
+    env.insert(vec![stuck]).await;
+    let mut config = env.config();
+    config.dispatch.lock_lease = Duration::from_secs(4);
+    config.reaper.interval = Some(Duration::from_millis(300));
+    let store = store_with(&config).await;
+    let stats = store.stats().await.unwrap();
+    assert_eq!((stats.stuck_locks, stats.due), (1, 0), "{stats:?}");
+    let mut consumer = env.consumer().await;
+    let daemon = Daemon::spawn("a", vars(&env, &config)).await;
+    let got = consumer.take(1, Duration::from_secs(60)).await;
+    assert!(
+        daemon
+            .logged("another dispatcher", Duration::from_secs(10))
+            .await,
+        "warns that someone else locks records here"
+    );
+    let freed = daemon.metric("timeoutd_stuck_locks_freed_total").await;
+    daemon.stop().await;
+    assert_eq!(got.len(), 1, "the stuck record fired once freed");
+    assert_eq!(got[0].header("CorrelationId"), Some(pm.to_string()));
+    assert_eq!(freed, 1.0);
+    assert_eq!(env.count(doc! {}).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_stuck_lock_is_freed_only_after_a_whole_lease_keeping_its_shape() {
+    let env = TestEnv::new().await;
+    let id = Uuid::new_v4();
+    let mut stuck = public_record(id, &env.queue, Uuid::new_v4(), in_ms(-60_000));
+    stuck.insert("Locked", true);
+    let mut nulled = offset_record(Uuid::new_v4(), &env.queue, Uuid::new_v4(), in_ms(-1), 0);
+    nulled.insert("Locked", true); // LockExpiresAt: null
+    env.insert(vec![stuck.clone(), nulled]).await;
+    let store = store_with(&env.config()).await;
+    assert_eq!(
+        store.free_stuck(Duration::from_secs(3_600)).await.unwrap(),
+        0
+    );
+    assert_eq!(env.count(doc! { "Locked": true }).await, 2, "not yet");
+    assert_eq!(store.free_stuck(Duration::ZERO).await.unwrap(), 2);
+    let mut free = stuck;
+    free.insert("Locked", false);
+    let now = env
+        .coll
+        .find_one(doc! { "_id": legacy(id) })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(now, free, "only Locked changes: no lease fields added");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unschedulable_records_are_counted_and_named_once() {
+    let env = TestEnv::new().await;
+    let date_shaped = public_record(Uuid::new_v4(), &env.queue, Uuid::new_v4(), in_ms(-1_000));
+    let bad_offset = Uuid::new_v4();
+    let mut beyond_14h = offset_record(bad_offset, &env.queue, Uuid::new_v4(), in_ms(-1_000), 0);
+    beyond_14h.insert(
+        "Time",
+        vec![Bson::Int64(ticks(in_ms(-1_000))), Bson::Int32(5_000)],
+    );
+    let good = Uuid::new_v4();
+    env.insert(vec![
+        date_shaped,
+        beyond_14h,
+        v7_record(good, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {}),
+    ])
+    .await;
+    let mut config = env.config();
+    config.mongodb.time_encoding = TimeEncoding::DotnetTicks;
+    config.reaper.interval = Some(Duration::from_millis(200));
+    assert_eq!(
+        store_with(&config)
+            .await
+            .stats()
+            .await
+            .unwrap()
+            .unschedulable,
+        2,
+        "a date under dotnet-ticks, and an offset beyond 14 h"
+    );
+    let mut auto = config.clone();
+    auto.mongodb.time_encoding = TimeEncoding::Auto;
+    assert_eq!(
+        store_with(&auto).await.stats().await.unwrap().unschedulable,
+        1
+    );
+    let mut consumer = env.consumer().await;
+    let mut v = vars(&env, &config);
+    v.push((
+        "TIMEOUTD_MONGODB__TIME_ENCODING".into(),
+        "dotnet-ticks".into(),
+    ));
+    let daemon = Daemon::spawn("a", v).await;
+    let got = consumer.take(1, Duration::from_secs(30)).await;
+    let gauge = eventually(Duration::from_secs(30), || async {
+        daemon.metric("timeoutd_unschedulable_records").await == 2.0
+    })
+    .await;
+    let named_both = daemon
+        .logged(&bad_offset.to_string(), Duration::from_secs(30))
+        .await;
+    // Three more census passes after both were named.
+    let passes = daemon.logs_containing("census taken").len();
+    let passes_later = eventually(Duration::from_secs(30), || async {
+        daemon.logs_containing("census taken").len() >= passes + 3
+    })
+    .await;
+    let lines = daemon.logs_containing("record cannot be scheduled");
+    daemon.stop().await;
+    assert_eq!(got.len(), 1, "the schedulable record fires");
+    assert_eq!(got[0].header("TimeoutId"), Some(good.to_string()));
+    assert!(gauge, "timeoutd_unschedulable_records reports both");
+    assert!(named_both && passes_later);
+    assert_eq!(lines.len(), 2, "each named once: {lines:#?}");
+    assert_eq!(env.count(doc! {}).await, 2, "the unschedulable ones stay");
+    env.cleanup().await;
+}

@@ -1,0 +1,209 @@
+//! The wire format and AMQP's limits: the `TimeoutMessage` as ServiceConnect v7 sends it,
+//! .NET's date format over the whole range it can hold, and records no message can carry.
+
+use std::time::{Duration, SystemTime};
+
+use bson::spec::BinarySubtype;
+use bson::{Bson, DateTime, doc};
+use lapin::types::AMQPValue;
+use timeoutd::config::{MessageIdMode, RabbitConfig};
+use timeoutd::message::*;
+use timeoutd::record::TimeoutRecord;
+use uuid::Uuid;
+
+fn header(m: &OutgoingMessage, k: &str) -> Option<String> {
+    m.properties
+        .headers()
+        .as_ref()
+        .unwrap()
+        .inner()
+        .get(k)
+        .map(|v| match v {
+            AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
+            other => panic!("{k} is not a long string: {other:?}"),
+        })
+}
+
+fn record() -> TimeoutRecord {
+    TimeoutRecord {
+        id: Uuid::parse_str("11111111-2222-4333-8444-555555555555").unwrap(),
+        destination: "orders".into(),
+        process_manager_id: Uuid::parse_str("3F2504E0-4F89-11D3-9A0C-0305E82C3301").unwrap(),
+        due: DateTime::from_millis(0),
+        headers: doc! {
+            "Tenant": "acme",
+            "MessageType": "Publish",
+            "Flag": true,
+            "Count": 7_i32,
+            "Raw": bson::Binary { subtype: BinarySubtype::Generic, bytes: b"hi".to_vec() },
+            "Nothing": Bson::Null,
+            "Weird": [1, 2],
+        },
+    }
+}
+
+#[test]
+fn time_sent_has_seven_fraction_digits() {
+    let t = SystemTime::UNIX_EPOCH + Duration::new(1_777_809_600, 123_456_789);
+    assert_eq!(format_time_sent(t), "2026-05-03T12:00:00.1234567Z");
+    assert_eq!(
+        format_time_sent(SystemTime::UNIX_EPOCH),
+        "1970-01-01T00:00:00.0000000Z"
+    );
+}
+
+#[test]
+fn body_and_fixed_headers_match_v7() {
+    let m = build(
+        &record(),
+        &RabbitConfig::default(),
+        SystemTime::UNIX_EPOCH,
+        DEFAULT_FRAME_MAX,
+    )
+    .unwrap();
+    assert_eq!(
+        m.body,
+        br#"{"CorrelationId":"3f2504e0-4f89-11d3-9a0c-0305e82c3301"}"#
+    );
+    assert_eq!(m.routing_key, "orders");
+    assert_eq!(*m.properties.delivery_mode(), Some(2));
+    assert_eq!(
+        m.properties.message_id().as_ref().unwrap().as_str(),
+        "11111111-2222-4333-8444-555555555555"
+    );
+    assert_eq!(header(&m, "MessageType").unwrap(), "Send");
+    assert_eq!(header(&m, "Tenant").unwrap(), "acme");
+    assert_eq!(header(&m, "Flag").unwrap(), "True");
+    assert_eq!(header(&m, "Count").unwrap(), "7");
+    assert_eq!(header(&m, "Raw").unwrap(), "base64:aGk=");
+    assert_eq!(header(&m, "Nothing").unwrap(), "");
+    assert_eq!(header(&m, "Weird"), None);
+    assert_eq!(
+        header(&m, "TimeoutId").unwrap(),
+        "11111111-2222-4333-8444-555555555555"
+    );
+    assert!(m.properties.content_type().is_none());
+    assert!(m.properties.correlation_id().is_none());
+}
+
+#[test]
+fn random_mode_has_fresh_ids_and_no_timeout_id() {
+    let rabbit = RabbitConfig {
+        message_id: MessageIdMode::Random,
+        ..RabbitConfig::default()
+    };
+    let a = build(
+        &record(),
+        &rabbit,
+        SystemTime::UNIX_EPOCH,
+        DEFAULT_FRAME_MAX,
+    )
+    .unwrap();
+    let b = build(
+        &record(),
+        &rabbit,
+        SystemTime::UNIX_EPOCH,
+        DEFAULT_FRAME_MAX,
+    )
+    .unwrap();
+    assert_ne!(header(&a, "MessageId"), header(&b, "MessageId"));
+    assert_eq!(header(&a, "TimeoutId"), None);
+}
+
+#[test]
+fn every_date_dotnet_can_hold_is_formatted_and_others_dropped() {
+    let ms = |d: i64| Bson::DateTime(DateTime::from_millis(d));
+    // DateTime.MinValue, the value of every unset .NET DateTime.
+    assert_eq!(
+        header_value_string(&ms(-62_135_596_800_000)).unwrap(),
+        "0001-01-01T00:00:00.0000000Z"
+    );
+    // The last millisecond of DateTime.MaxValue's day.
+    assert_eq!(
+        header_value_string(&ms(253_402_300_799_999)).unwrap(),
+        "9999-12-31T23:59:59.9990000Z"
+    );
+    assert_eq!(
+        header_value_string(&ms(-1)).unwrap(),
+        "1969-12-31T23:59:59.9990000Z"
+    );
+    for outside in [-62_135_596_800_001, 253_402_300_800_000, i64::MIN, i64::MAX] {
+        assert_eq!(header_value_string(&ms(outside)), None, "{outside}");
+    }
+}
+
+#[test]
+fn a_routing_key_longer_than_amqp_allows_is_unsendable() {
+    let mut r = record();
+    r.destination = "q".repeat(256);
+    assert_eq!(
+        build(
+            &r,
+            &RabbitConfig::default(),
+            SystemTime::now(),
+            DEFAULT_FRAME_MAX
+        )
+        .unwrap_err(),
+        Unsendable::RoutingKeyTooLong { len: 256 }
+    );
+    r.destination = "q".repeat(255);
+    assert!(
+        build(
+            &r,
+            &RabbitConfig::default(),
+            SystemTime::now(),
+            DEFAULT_FRAME_MAX
+        )
+        .is_ok()
+    );
+}
+
+#[test]
+fn long_header_names_are_dropped_and_the_record_still_builds() {
+    let mut r = record();
+    r.headers.insert("k".repeat(300), "v");
+    let m = build(
+        &r,
+        &RabbitConfig::default(),
+        SystemTime::now(),
+        DEFAULT_FRAME_MAX,
+    )
+    .unwrap();
+    assert_eq!(header(&m, &"k".repeat(300)), None);
+    assert_eq!(header(&m, "Tenant").unwrap(), "acme");
+}
+
+#[test]
+fn headers_past_frame_max_are_unsendable_up_to_the_byte() {
+    let rabbit = RabbitConfig::default();
+    let base = build(
+        &record(),
+        &rabbit,
+        SystemTime::UNIX_EPOCH,
+        DEFAULT_FRAME_MAX,
+    )
+    .unwrap();
+    let base_size = header_frame_size(&base.properties);
+    // A header named "Big" adds 1 + 3 + 1 + 4 + len bytes.
+    let fits = DEFAULT_FRAME_MAX as usize - base_size - 9;
+    let mut r = record();
+    r.headers.insert("Big", "x".repeat(fits));
+    let m = build(&r, &rabbit, SystemTime::UNIX_EPOCH, DEFAULT_FRAME_MAX).unwrap();
+    assert_eq!(header_frame_size(&m.properties), DEFAULT_FRAME_MAX as usize);
+    r.headers.insert("Big", "x".repeat(fits + 1));
+    match build(&r, &rabbit, SystemTime::UNIX_EPOCH, DEFAULT_FRAME_MAX) {
+        Err(Unsendable::HeaderFrameTooLarge {
+            size,
+            frame_max,
+            largest,
+            ..
+        }) => {
+            assert_eq!(
+                (size, frame_max),
+                (DEFAULT_FRAME_MAX as usize + 1, DEFAULT_FRAME_MAX)
+            );
+            assert_eq!(largest, "Big");
+        }
+        other => panic!("expected HeaderFrameTooLarge, got {other:?}"),
+    }
+}
