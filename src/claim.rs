@@ -2,6 +2,7 @@
 //! present (one index range each, see [`crate::due`]), merges them by true instant, takes
 //! them with the compare-and-swap `updateMany`, and reads back what a racing instance left.
 
+use std::future::IntoFuture;
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document};
@@ -90,8 +91,11 @@ impl Store {
                 .limit(i64::from(batch_size))
         });
         let mut found: Vec<(DateTime, Document)> = Vec::new();
-        for docs in futures::future::try_join_all(
-            reads.map(|find| async move { find.await?.try_collect::<Vec<Document>>().await }),
+        for docs in Self::timed(
+            "find",
+            futures::future::try_join_all(
+                reads.map(|find| async move { find.await?.try_collect::<Vec<Document>>().await }),
+            ),
         )
         .await?
         {
@@ -121,13 +125,16 @@ impl Store {
                 more: windowed_more,
             });
         }
-        let taken = self
-            .coll
-            .update_many(
-                lease::claim_filter(now, range.to, &shapes, &candidates),
-                lease::claim_update(&lease, self.uuids),
-            )
-            .await;
+        let taken = Self::timed(
+            "claim",
+            self.coll
+                .update_many(
+                    lease::claim_filter(now, range.to, &shapes, &candidates),
+                    lease::claim_update(&lease, self.uuids),
+                )
+                .into_future(),
+        )
+        .await;
         if let Ok(r) = &taken
             && r.modified_count < candidates.len() as u64
         {
@@ -143,7 +150,7 @@ impl Store {
                 .map(|d| ClaimedRow::held(d, &lease, self))
                 .collect()),
             // A racing instance took some: read back which are ours.
-            Ok(_) => self.read_back(&candidates, &lease).await,
+            Ok(_) => Self::timed("read_back", self.read_back(&candidates, &lease)).await,
             Err(e) => Err(e),
         };
         match rows {

@@ -34,6 +34,8 @@ pub const RELEASED_REASONS: &[&str] = &["shutdown", "margin", "publish_failed", 
 pub const PUBLISH_FAILURE_REASONS: &[&str] = &["returned", "nacked", "timeout", "connection"];
 /// `timeoutd_dependency_up{dependency}`.
 pub const DEPENDENCIES: &[&str] = &[MONGODB, RABBITMQ];
+/// `timeoutd_mongodb_call_seconds{call}`: the dispatch path's calls, one per lease step.
+pub const MONGODB_CALLS: &[&str] = &["find", "claim", "read_back", "remove", "release"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &["dispatch", "reaper", "monitor", "wakeup", "http", "systemd"];
 
@@ -195,6 +197,17 @@ pub const SERIES: &[Series] = &[
         Histogram,
         Some(Unit::Seconds),
         "Duration of each claim of a batch in MongoDB.",
+    ),
+    labelled(
+        series(
+            "timeoutd_mongodb_call_seconds",
+            Histogram,
+            Some(Unit::Seconds),
+            "Duration of each MongoDB call on the dispatch path, by lease step: find (the candidate read), claim (the compare-and-swap updateMany), read_back, remove (the guarded deleteMany) and release.",
+        ),
+        "call",
+        MONGODB_CALLS,
+        Start::Zero,
     ),
     series(
         "timeoutd_publish_confirm_seconds",
@@ -376,6 +389,11 @@ pub fn parked_records(n: u64) {
 
 pub fn claim_duration(d: Duration) {
     metrics::histogram!("timeoutd_claim_duration_seconds").record(d.as_secs_f64());
+}
+
+/// One MongoDB call on the dispatch path (`call` is one of [`MONGODB_CALLS`]).
+pub fn mongodb_call(call: &'static str, d: Duration) {
+    metrics::histogram!("timeoutd_mongodb_call_seconds", "call" => call).record(d.as_secs_f64());
 }
 
 pub fn publish_confirm(d: Duration) {
