@@ -4,6 +4,7 @@
 //! claim holds, reap expired leases, count for `stats`, insert for `schedule`. It only ever
 //! `$set`s the three lock fields of an existing record and deletes by `_id`.
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -204,6 +205,18 @@ impl Store {
             .await
     }
 
+    /// Awaits one MongoDB call of the dispatch path and records its duration in
+    /// `timeoutd_mongodb_call_seconds{call}`, whatever its outcome.
+    pub(crate) async fn timed<T>(
+        call: &'static str,
+        fut: impl std::future::Future<Output = T>,
+    ) -> T {
+        let started = std::time::Instant::now();
+        let out = fut.await;
+        crate::metrics::mongodb_call(call, started.elapsed());
+        out
+    }
+
     /// The clock this store stamps leases with.
     pub fn clock(&self) -> &ServerClock {
         &self.clock
@@ -246,38 +259,57 @@ impl Store {
         Ok(self.clock.observe(server, sent, received))
     }
 
-    /// Creates timeoutd's own indexes if missing: one per `Time` shape served (so each
-    /// branch of the due query scans only due records, oldest first), the lease fields
-    /// (reaper) and the owner (read-back). The date index is left out when an index on
-    /// `Time` already exists (ServiceConnect v7's `Time_1_Locked_1` serves the same
-    /// bounds). Also warns when the collection is empty and the other spelling of the
-    /// ServiceConnect database holds records.
+    /// Creates timeoutd's own indexes where no index serves the same queries: one per `Time`
+    /// shape served (so each branch of the due query scans only due records, oldest first),
+    /// the lease fields (reaper, census) and the owner. The date index is left out when an
+    /// index on `Time` already exists (ServiceConnect v7's `Time_1_Locked_1` serves the same
+    /// bounds), the lease index when one leads with `LockExpiresAt` (v7's `LockExpiresAt_1`),
+    /// the owner index when one leads with `LockedBy` (v7's `LockedBy_1_Locked_1`): every
+    /// index is one more the claim's update and the delete maintain for every record. An own
+    /// index made redundant that way (created before v7's appeared) is dropped; no index
+    /// timeoutd did not create is ever touched. Also warns when the collection is empty and
+    /// the other spelling of the ServiceConnect database holds records.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
-        let existing: Vec<Document> = match self.query(self.coll.list_indexes()).await {
+        let existing: Vec<(String, Document)> = match self.query(self.coll.list_indexes()).await {
             Ok(cursor) => self
                 .query(cursor.try_collect::<Vec<_>>())
                 .await
                 .unwrap_or_default()
                 .into_iter()
-                .map(|m| m.keys)
+                .map(|m| {
+                    let name = m.options.and_then(|o| o.name).unwrap_or_default();
+                    (name, m.keys)
+                })
                 .collect(),
             Err(_) => Vec::new(),
         };
-        let time_indexed = existing
-            .iter()
-            .any(|k| k.keys().next().is_some_and(|f| f == field::TIME));
+        let served = |first: &str, ours: &str| {
+            existing
+                .iter()
+                .any(|(name, keys)| name != ours && keys.keys().next().is_some_and(|f| f == first))
+        };
         let mut indexes = Vec::new();
-        if self.encoding.reads_dates() && !time_indexed {
+        if self.encoding.reads_dates() && !served(field::TIME, DATE_DUE_INDEX) {
             indexes.push((DATE_DUE_INDEX, Shape::Date.sort()));
         }
         if self.encoding.reads_ticks() {
             indexes.push((TICKS_DUE_INDEX, Shape::Ticks(0).sort()));
         }
-        indexes.push((
-            LEASE_INDEX,
-            doc! { field::LOCKED: 1, field::LOCK_EXPIRES_AT: 1 },
-        ));
-        indexes.push((OWNER_INDEX, doc! { field::LOCKED_BY: 1 }));
+        let mut redundant = Vec::new();
+        for (name, first, keys) in [
+            (
+                LEASE_INDEX,
+                field::LOCK_EXPIRES_AT,
+                doc! { field::LOCKED: 1, field::LOCK_EXPIRES_AT: 1 },
+            ),
+            (OWNER_INDEX, field::LOCKED_BY, doc! { field::LOCKED_BY: 1 }),
+        ] {
+            if !served(first, name) {
+                indexes.push((name, keys));
+            } else if existing.iter().any(|(n, _)| n == name) {
+                redundant.push(name);
+            }
+        }
         for (name, keys) in indexes {
             let model = IndexModel::builder()
                 .keys(keys.clone())
@@ -286,6 +318,20 @@ impl Store {
             if let Err(e) = self.query(self.coll.create_index(model)).await {
                 // An index with the same keys under another name serves as well.
                 tracing::warn!(index = name, keys = %keys, error = %e, "could not create index; continuing");
+            }
+        }
+        for name in redundant {
+            match self.query(self.coll.drop_index(name)).await {
+                Ok(()) => {
+                    tracing::info!(
+                        index = name,
+                        "dropped timeoutd's own index: another one serves the same queries, and each index costs every write"
+                    )
+                }
+                // Another instance may have dropped it first.
+                Err(e) => {
+                    tracing::debug!(index = name, error = %e, "could not drop a redundant index")
+                }
             }
         }
         self.warn_if_other_spelling_holds_records().await;
@@ -329,10 +375,13 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
-        let r = self
-            .coll
-            .delete_many(lease::held_many(ids, owner, self.clock.now()))
-            .await?;
+        let r = Self::timed(
+            "remove",
+            self.coll
+                .delete_many(lease::held_many(ids, owner, self.clock.now()))
+                .into_future(),
+        )
+        .await?;
         Ok(r.deleted_count)
     }
 
@@ -365,13 +414,16 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
-        let r = self
-            .coll
-            .update_many(
-                lease::held_many(ids, owner, self.clock.now()),
-                lease::release_update(self.uuids),
-            )
-            .await?;
+        let r = Self::timed(
+            "release",
+            self.coll
+                .update_many(
+                    lease::held_many(ids, owner, self.clock.now()),
+                    lease::release_update(self.uuids),
+                )
+                .into_future(),
+        )
+        .await?;
         Ok(r.matched_count)
     }
 

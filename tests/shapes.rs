@@ -189,6 +189,67 @@ async fn serviceconnect_v7_time_index_serves_dates_so_no_second_one_is_made() {
     env.cleanup().await;
 }
 
+/// Every index is one more that the claim's update and the delete maintain for each record:
+/// where v7's indexes serve the lease and owner queries, timeoutd adds none of its own and
+/// drops the ones an older timeoutd made, never touching v7's.
+#[tokio::test]
+async fn v7_lease_indexes_serve_so_timeoutd_keeps_only_its_due_index() {
+    let env = TestEnv::new().await;
+    for (name, keys) in [
+        ("Time_1_Locked_1", doc! { "Time": 1, "Locked": 1 }),
+        ("LockedBy_1_Locked_1", doc! { "LockedBy": 1, "Locked": 1 }),
+        ("LockExpiresAt_1", doc! { "LockExpiresAt": 1 }),
+        // What an older timeoutd created beside them.
+        ("timeoutd_lease", doc! { "Locked": 1, "LockExpiresAt": 1 }),
+        ("timeoutd_owner", doc! { "LockedBy": 1 }),
+    ] {
+        env.coll
+            .create_index(
+                mongodb::IndexModel::builder()
+                    .keys(keys)
+                    .options(
+                        mongodb::options::IndexOptions::builder()
+                            .name(name.to_string())
+                            .build(),
+                    )
+                    .build(),
+            )
+            .await
+            .unwrap();
+    }
+    let store = store_with(&env.config()).await;
+    store.ensure_indexes().await.unwrap();
+    let mut names = env.coll.list_index_names().await.unwrap();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "LockExpiresAt_1",
+            "LockedBy_1_Locked_1",
+            "Time_1_Locked_1",
+            "_id_",
+            "timeoutd_due_offset"
+        ]
+    );
+    // The lease still works on these indexes: a claim, an expired lease reaped.
+    env.insert(vec![v7_record(
+        Uuid::new_v4(),
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+    let claim = store
+        .claim(10, std::time::Duration::from_millis(1))
+        .await
+        .unwrap();
+    assert_eq!(claim.rows.len(), 1);
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(store.reap().await.unwrap(), 1, "the expired lease is freed");
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offset_first_seen_while_running_fires_at_its_instant() {
     let env = TestEnv::new().await;
