@@ -208,11 +208,13 @@ impl Publisher {
     }
 
     /// Publishes every message pipelined, then awaits the confirms until each arrives or
-    /// `stop_waiting` is cancelled. Returns one outcome per message, in order.
+    /// `stop_waiting` is cancelled. Returns one outcome per message, in order. `answered` is
+    /// cancelled at the first answer from the broker (proof that it reads and confirms).
     pub async fn publish_batch(
         &mut self,
         messages: &[OutgoingMessage],
         stop_waiting: &CancellationToken,
+        answered: &CancellationToken,
     ) -> Vec<SendOutcome> {
         let Some((_, channel)) = self.link.as_ref().filter(|_| self.is_connected()) else {
             return vec![SendOutcome::NotSent("not connected".into()); messages.len()];
@@ -264,7 +266,12 @@ impl Publisher {
                 Err(outcome) => return Err(outcome),
             };
             tokio::select! {
-                c = confirm => c.map_err(|e| SendOutcome::Connection(e.to_string())),
+                c = confirm => {
+                    if c.is_ok() {
+                        answered.cancel();
+                    }
+                    c.map_err(|e| SendOutcome::Connection(e.to_string()))
+                }
                 _ = stop_waiting.cancelled() => Err(SendOutcome::TimedOut),
             }
         }))

@@ -32,15 +32,18 @@ pub fn triage(
 
 impl Dispatcher {
     /// Whether a claim may start once its time comes: the link is up, no claim is running,
-    /// fewer than two batches are held, and no wave is publishing. A wave normally takes tens
-    /// of milliseconds; one that lasts is a broker that stalls, and an instance claiming
-    /// meanwhile would hoard records it cannot send, which a peer could.
+    /// fewer than two batches are held, and no wave is publishing unless the broker has
+    /// answered one of that wave's publishes. A wave normally takes tens of milliseconds and
+    /// its first confirm a few; the claim then runs beside the rest of it, so the database's
+    /// writer is not idle while the broker works. A wave without an answer is a broker that
+    /// may have stalled, and an instance claiming meanwhile would hoard records it cannot
+    /// send, which a peer could.
     pub(super) fn can_claim(&self) -> bool {
         let cap = 2 * self.config.dispatch.batch_size as usize;
         self.link_up
             && !self.claims.is_running()
             && self.held.len() < cap
-            && self.wave_started.is_none()
+            && (self.wave_started.is_none() || self.wave_proven)
     }
 
     /// A background claim returned.

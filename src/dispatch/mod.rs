@@ -99,6 +99,8 @@ enum Event {
     WokenUp,
     /// The soonest held record fell due.
     Due,
+    /// The broker answered a publish of the wave in flight: it is reading and confirming.
+    WaveAlive,
     /// A poll, a reconnect or a heartbeat is due.
     Tick,
 }
@@ -129,6 +131,10 @@ pub struct Dispatcher {
     link_task: Option<tokio::task::Id>,
     /// When the wave in flight started publishing.
     wave_started: Option<Instant>,
+    /// Cancelled by the wave in flight at its first answer from the broker.
+    wave_alive: Option<CancellationToken>,
+    /// The wave in flight has had an answer: the next claim may run beside it.
+    wave_proven: bool,
     removals: usize,
     settling: usize,
     failed: Option<String>,
@@ -164,6 +170,8 @@ impl Dispatcher {
             tasks: JoinSet::new(),
             link_task: None,
             wave_started: None,
+            wave_alive: None,
+            wave_proven: false,
             removals: 0,
             settling: 0,
             failed: None,
@@ -237,12 +245,16 @@ impl Dispatcher {
             _ => None,
         };
         let tick = self.next_tick(stopping, now);
+        let alive = self.wave_alive.clone().filter(|_| !self.wave_proven);
+        let watch_wave = alive.is_some();
+        let alive = alive.unwrap_or_default();
         tokio::select! {
             _ = self.shutdown.cancelled(), if !stopping => Event::Shutdown,
             Some(done) = self.tasks.join_next() => Event::Finished(done),
             _ = self.wake.notified(), if !stopping => Event::WokenUp,
             _ = tokio::time::sleep_until(due_at.unwrap_or(now).into()), if due_at.is_some() => Event::Due,
             _ = tokio::time::sleep_until(tick.into()) => Event::Tick,
+            _ = alive.cancelled(), if watch_wave => Event::WaveAlive,
         }
     }
 
@@ -273,6 +285,7 @@ impl Dispatcher {
             Event::Finished(Ok(done)) => self.on_finished(done),
             Event::Finished(Err(e)) => self.on_task_died(e),
             Event::WokenUp => self.claims.wake(),
+            Event::WaveAlive => self.wave_proven = true,
             // Due records and due claims are started by `start_work` at the top of the loop.
             Event::Due | Event::Tick => {}
         }
@@ -283,7 +296,7 @@ impl Dispatcher {
             Done::Claim { started, result } => self.on_claimed(started, result),
             Done::Link { publisher, work } => {
                 self.link_task = None;
-                self.wave_started = None;
+                self.end_wave();
                 self.frame_max = publisher.frame_max();
                 self.link_up = publisher.is_connected();
                 self.publisher = Some(*publisher);
@@ -295,6 +308,13 @@ impl Dispatcher {
             Done::Removed => self.removals -= 1,
             Done::Settled => self.settling -= 1,
         }
+    }
+
+    /// The wave in flight ended, whatever its outcome.
+    fn end_wave(&mut self) {
+        self.wave_started = None;
+        self.wave_alive = None;
+        self.wave_proven = false;
     }
 
     /// Shutdown: no new claims; what is held and not sent is released at once.
@@ -321,7 +341,7 @@ impl Dispatcher {
             // The wave's outcomes are unknown: release its records (possible duplicates),
             // and open a new link.
             self.link_task = None;
-            self.wave_started = None;
+            self.end_wave();
             let n = self.in_flight.len();
             m::lease_lost(n);
             let held = self.in_flight.drain(..).map(|r| (r.id, r.lease)).collect();

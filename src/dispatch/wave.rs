@@ -144,10 +144,16 @@ impl Dispatcher {
         let stop_waiting = self.confirm_deadline();
         tracing::debug!(records = messages.len(), "publishing a wave");
         self.wave_started = Some(Instant::now());
+        let alive = CancellationToken::new();
+        self.wave_alive = Some(alive.clone());
         let handle = self.tasks.spawn(async move {
             let started = Instant::now();
             let outcomes = match publisher.connect().await {
-                Ok(()) => publisher.publish_batch(&messages, &stop_waiting).await,
+                Ok(()) => {
+                    publisher
+                        .publish_batch(&messages, &stop_waiting, &alive)
+                        .await
+                }
                 Err(e) => vec![SendOutcome::NotSent(e.to_string()); messages.len()],
             };
             stop_waiting.cancel();
