@@ -69,6 +69,20 @@ impl Store {
         lease_len: Duration,
         look_ahead: Duration,
     ) -> Result<Claim, StoreError> {
+        let paused = self.control_state().paused.clone();
+        self.claim_except(batch_size, lease_len, look_ahead, &paused)
+            .await
+    }
+
+    /// [`Store::claim_window`] of records of every destination but `excluded`: the paused
+    /// ones, and those the dispatch loop holds enough of under a rate limit.
+    pub async fn claim_except(
+        &self,
+        batch_size: u32,
+        lease_len: Duration,
+        look_ahead: Duration,
+        excluded: &[String],
+    ) -> Result<Claim, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
         let lease = Lease::new(now, lease_len);
@@ -80,11 +94,12 @@ impl Store {
         // One query per shape, each oldest first by its own index, merged by true instant.
         let reads = shapes.iter().map(|shape| {
             self.coll
-                .find(lease::due_within(
+                .find(lease::due_within_except(
                     now,
                     range.from,
                     range.to,
                     std::slice::from_ref(shape),
+                    excluded,
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
@@ -124,7 +139,10 @@ impl Store {
         let taken = self
             .coll
             .update_many(
-                lease::claim_filter(now, range.to, &shapes, &candidates),
+                lease::except(
+                    lease::claim_filter(now, range.to, &shapes, &candidates),
+                    excluded,
+                ),
                 lease::claim_update(&lease, self.uuids),
             )
             .await;

@@ -1,6 +1,9 @@
-//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`.
+//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`,
+//! and the operator commands of [`crate::opscli`] (`list`, `cancel`, `reschedule`, `pause`,
+//! `resume`, `paused`).
 //!
-//! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments.
+//! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments (an
+//! unknown id, a malformed instant), 3 records under a live lease were left as they are.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -65,6 +68,26 @@ pub enum Command {
     Parked {
         #[command(subcommand)]
         action: ParkedCommand,
+    },
+    /// Timeouts, soonest first: id, destination, correlation id, due instant, state, and the
+    /// owner and lease end of a leased one.
+    List(crate::opscli::ListArgs),
+    /// Delete timeouts that are not being sent (records under a live lease are left and
+    /// reported; exit 3 unless --skip-leased).
+    Cancel(crate::opscli::Which),
+    /// Move the due instant of timeouts that are not being sent, in each record's own
+    /// encoding (records under a live lease are left and reported; exit 3 unless
+    /// --skip-leased).
+    Reschedule(crate::opscli::RescheduleArgs),
+    /// Stop every instance claiming a destination's timeouts (within one poll interval).
+    Pause(crate::opscli::PauseArgs),
+    /// End a destination's pause, optionally ramping its rate up.
+    Resume(crate::opscli::ResumeArgs),
+    /// The paused destinations.
+    Paused {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
     Health {
@@ -141,9 +164,12 @@ pub fn main(cli: Cli) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let shown = redact_text(&format!("{e:#}"));
-            tracing::error!("{shown}");
+            let code = crate::opscli::exit_code(&e);
+            if code == 1 {
+                tracing::error!("{shown}");
+            }
             eprintln!("timeoutd: error: {shown}");
-            ExitCode::FAILURE
+            ExitCode::from(code)
         }
     }
 }
@@ -193,7 +219,14 @@ fn init_logging(config: &Config, daemon: bool) {
         level => level,
     };
     let filter = from_env.unwrap_or_else(|| {
-        tracing_subscriber::EnvFilter::new(format!("{level},lapin::returned_messages=error"))
+        // Operator actions are logged with who ran them (`timeoutd::audit`), also by the
+        // one-shot commands.
+        let audit = if level == "error" || level == "off" {
+            ""
+        } else {
+            ",timeoutd::audit=info"
+        };
+        tracing_subscriber::EnvFilter::new(format!("{level},lapin::returned_messages=error{audit}"))
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -268,12 +301,26 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             .await
         }
         Command::Stats { json } => {
-            let stats = with_store(&config, async |store| {
-                Ok(store.bounded("count", store.stats()).await?)
+            let (stats, paused) = with_store(&config, async |store| {
+                let stats = store.bounded("count", store.stats()).await?;
+                let paused = store
+                    .bounded("count paused", store.paused_backlogs())
+                    .await?;
+                Ok((stats, paused))
             })
             .await?;
             if json {
-                println!("{}", serde_json::to_string(&stats)?);
+                let mut shown = serde_json::to_value(&stats)?;
+                let paused: Vec<serde_json::Value> = paused
+                    .iter()
+                    .map(|(p, due, all)| {
+                        serde_json::json!({ "destination": p.destination, "due": due, "records": all, "since": p.since, "until": p.until })
+                    })
+                    .collect();
+                if let Some(o) = shown.as_object_mut() {
+                    o.insert("paused_destinations".into(), paused.into());
+                }
+                println!("{shown}");
             } else {
                 println!("pending         {}", stats.pending);
                 println!("due             {}", stats.due);
@@ -287,6 +334,14 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
                 }
                 println!("retrying        {}", stats.retrying);
                 println!("parked          {}", stats.parked);
+                println!("paused          {}", paused.len());
+                for (p, due, all) in &paused {
+                    println!(
+                        "  {}  due={due}  records={all}  until={}",
+                        p.destination,
+                        p.until.as_deref().unwrap_or("resumed")
+                    );
+                }
             }
             Ok(())
         }
@@ -300,6 +355,20 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Parked { action } => {
             with_store(&config, async |store| parked(action, store).await).await
+        }
+        Command::List(a) => with_store(&config, async |s| crate::opscli::list(s, a).await).await,
+        Command::Cancel(w) => {
+            with_store(&config, async |s| crate::opscli::cancel(s, w).await).await
+        }
+        Command::Reschedule(a) => {
+            with_store(&config, async |s| crate::opscli::reschedule(s, a).await).await
+        }
+        Command::Pause(a) => with_store(&config, async |s| crate::opscli::pause(s, a).await).await,
+        Command::Resume(a) => {
+            with_store(&config, async |s| crate::opscli::resume(s, a).await).await
+        }
+        Command::Paused { json } => {
+            with_store(&config, async |s| crate::opscli::paused(s, json).await).await
         }
     }
 }

@@ -15,7 +15,7 @@
 //!   due range a claim reads; [`shapes`], which `Time` shapes the collection holds;
 //!   [`census`], `stats` and the records nothing fires on its own;
 //! - [`message`], the `TimeoutMessage` wire format;
-//! - [`publisher`], RabbitMQ with publisher confirms;
+//! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
 //! - [`metrics`], metric names and recording;
@@ -24,6 +24,8 @@
 //! - [`shutdown`], signals;
 //! - [`supervisor`], the essential tasks and what happens when one stops;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
+//! - [`listing`], `list`; [`ops`], `cancel` and `reschedule`; [`control`], pauses, ramps and
+//!   the audit of operator actions; [`opscli`], those commands on the command line;
 //! - [`cli`], the command line.
 
 pub mod backoff;
@@ -32,6 +34,7 @@ pub mod claim;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod control;
 pub mod daemon;
 pub mod deadline;
 pub mod dispatch;
@@ -41,10 +44,14 @@ pub mod guid;
 pub mod health;
 pub mod http;
 pub mod lease;
+pub mod listing;
 pub mod message;
 pub mod metrics;
+pub mod ops;
+pub mod opscli;
 pub mod parking;
 pub mod publisher;
+pub mod ratelimit;
 pub mod reaper;
 pub mod record;
 pub mod redact;

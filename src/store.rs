@@ -56,8 +56,10 @@ pub enum StoreError {
 pub struct Store {
     pub(crate) db: Database,
     pub(crate) coll: Collection<Document>,
-    parked: Collection<Document>,
-    attempts: Collection<Document>,
+    pub(crate) parked: Collection<Document>,
+    pub(crate) attempts: Collection<Document>,
+    /// timeoutd's control collection: pauses, ramps and the audit of operator actions.
+    pub(crate) control: Collection<Document>,
     pub(crate) encoding: TimeEncoding,
     pub(crate) uuids: UuidRepresentation,
     pub(crate) decoding: Decoding,
@@ -66,6 +68,8 @@ pub struct Store {
     lock_lease: Duration,
     pub(crate) shapes: Arc<ShapeCache>,
     pub(crate) census_state: Arc<crate::census::CensusState>,
+    /// The pauses and ramps in force, as the control watcher last read them.
+    pub(crate) control_state: Arc<crate::control::ControlState>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
     /// The write concern and read preference the URI set, for [`Store::durability_risks`].
@@ -113,11 +117,13 @@ impl Store {
         let coll = db.collection::<Document>(&config.collection);
         let parked = db.collection::<Document>(&config.parked_collection());
         let attempts = db.collection::<Document>(&config.attempts_collection());
+        let control = db.collection::<Document>(&config.control_collection());
         Ok(Self {
             db,
             coll,
             parked,
             attempts,
+            control,
             encoding: config.time_encoding,
             uuids: config.uuid_representation,
             decoding: Decoding::from(config.time_encoding),
@@ -126,6 +132,7 @@ impl Store {
             lock_lease: crate::config::DispatchConfig::default().lock_lease,
             shapes: Arc::new(ShapeCache::default()),
             census_state: Arc::default(),
+            control_state: Arc::default(),
             op_timeout: config.operation_timeout,
             write_concern,
             selection,
