@@ -1,0 +1,351 @@
+//! Operators in control (issue 14, items 4 to 6): pausing a destination fleet-wide, resuming
+//! it (by hand, at `--until`, with a ramp), and send-rate limits, against running instances
+//! on the real RabbitMQ and the test MongoDB.
+
+mod common;
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use bson::{Document, doc};
+use common::fleet::{BIN, Daemon, DeliveryCounter, vars};
+use common::*;
+use serde_json::Value;
+use timeoutd::config::DestinationLimit;
+use uuid::Uuid;
+
+async fn cli(args: &[&str], vars: &[(String, String)]) -> Output {
+    tokio::process::Command::new(BIN)
+        .args(args)
+        .envs(vars.iter().cloned())
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run timeoutd")
+}
+
+fn out(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `n` free records for `queue`, due every `step_ms` from `first_ms` from now.
+fn records(queue: &str, n: i64, first_ms: i64, step_ms: i64) -> (Vec<Uuid>, Vec<Document>) {
+    let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+    let docs = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let due = in_ms(first_ms + i as i64 * step_ms);
+            v7_record(*id, queue, Uuid::new_v4(), due, doc! {})
+        })
+        .collect();
+    (ids, docs)
+}
+
+/// Waits until every daemon applies `n` paused destinations (its gauge says so).
+async fn all_apply(daemons: &[Daemon], n: f64) -> bool {
+    for d in daemons {
+        let applied = eventually(Duration::from_secs(20), || async {
+            d.metric("timeoutd_paused_destinations").await == n
+        })
+        .await;
+        if !applied {
+            return false;
+        }
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_stops_a_destination_on_every_instance_and_a_resume_brings_each_record_once() {
+    let env = TestEnv::new().await;
+    let other = format!("{}-other", env.queue);
+    env.declare_queue(&other).await;
+    let mut c = env.config();
+    c.dispatch.batch_size = 50;
+    let v = vars(&env, &c);
+    let paused = DeliveryCounter::start(&env.queue).await;
+    let others = DeliveryCounter::start(&other).await;
+    let mut daemons = Vec::new();
+    for i in 0..3 {
+        daemons.push(Daemon::spawn(&format!("d{i}"), v.clone()).await);
+    }
+    assert!(
+        all_apply(&daemons, 0.0).await,
+        "the gauge is there from zero"
+    );
+    // Load on two queues, due over the next 8 s.
+    let (ids, docs) = records(&env.queue, 400, 500, 20);
+    let (other_ids, other_docs) = records(&other, 400, 500, 20);
+    env.insert(docs.into_iter().chain(other_docs).collect())
+        .await;
+    assert!(paused.wait_distinct(20, Duration::from_secs(30)).await);
+
+    let o = cli(&["pause", &env.queue, "--reason", "incident 42"], &v).await;
+    assert_eq!(o.status.code(), Some(0), "{}{}", out(&o), err(&o));
+    assert!(
+        all_apply(&daemons, 1.0).await,
+        "every instance applies the pause"
+    );
+    // What was in flight when they applied it has arrived once the other queue moved on.
+    let moved = others.distinct() + 50;
+    assert!(
+        others
+            .wait_distinct(moved.min(other_ids.len()), Duration::from_secs(30))
+            .await
+    );
+    let before = paused.total();
+    eprintln!("paused after {before} of {} deliveries", ids.len());
+    assert!(
+        before < ids.len(),
+        "the pause came before the end of the load"
+    );
+    // The other destination runs to the end, past every paused record's due instant.
+    assert!(
+        others
+            .wait_distinct(other_ids.len(), Duration::from_secs(60))
+            .await,
+        "the other destination runs on: {} of {}",
+        others.distinct(),
+        other_ids.len()
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            env.count(doc! { "Destination": &other }).await == 0
+        })
+        .await
+    );
+    assert_eq!(
+        paused.total(),
+        before,
+        "nothing of a paused destination is sent"
+    );
+    let held = env.count(doc! { "Destination": &env.queue }).await;
+    assert_eq!(held as usize, ids.len() - before, "nothing is lost");
+    // Every instance released what it held of it: none is leased.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            env.count(doc! { "Destination": &env.queue, "Locked": true, "LockExpiresAt": { "$gt": in_ms(0) } }).await == 0
+        })
+        .await,
+        "paused records are left free"
+    );
+    let o = cli(&["paused", "--json"], &v).await;
+    let listed: Vec<Value> = serde_json::from_str(out(&o).trim()).unwrap();
+    assert_eq!(listed.len(), 1, "{}", out(&o));
+    assert_eq!(listed[0]["destination"], env.queue.as_str());
+    assert_eq!(listed[0]["reason"], "incident 42");
+    assert!(listed[0]["by"].as_str().unwrap().contains('@'));
+    let o = cli(&["stats", "--json"], &v).await;
+    let stats: Value = serde_json::from_str(out(&o).trim()).unwrap();
+    assert_eq!(
+        stats["paused_destinations"][0]["destination"],
+        env.queue.as_str()
+    );
+    assert_eq!(stats["paused_destinations"][0]["due"], held);
+
+    let o = cli(&["resume", &env.queue], &v).await;
+    assert_eq!(o.status.code(), Some(0), "{}{}", out(&o), err(&o));
+    assert!(
+        paused
+            .wait_distinct(ids.len(), Duration::from_secs(60))
+            .await,
+        "a resume brings every held record: {} of {}",
+        paused.distinct(),
+        ids.len()
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            env.count(doc! {}).await == 0
+        })
+        .await
+    );
+    paused.settle(Duration::from_millis(500)).await;
+    others.settle(Duration::from_millis(200)).await;
+    assert_eq!(paused.duplicates(), 0, "none twice");
+    assert_eq!(others.duplicates(), 0);
+    assert!(all_apply(&daemons, 0.0).await);
+    let held_back: f64 = {
+        let mut sum = 0.0;
+        for d in &daemons {
+            sum += d
+                .metric("timeoutd_held_back_total{reason=\"paused\"}")
+                .await;
+        }
+        sum
+    };
+    assert!(
+        held_back > 0.0,
+        "records held for the paused destination were released"
+    );
+    let control = env
+        .coll
+        .client()
+        .database(&env.db_name)
+        .collection::<Document>("Timeouts_control");
+    for action in ["pause", "resume"] {
+        let audit = control
+            .find_one(doc! { "kind": "audit", "action": action })
+            .await
+            .unwrap();
+        assert!(
+            audit.is_some_and(|a| a.get_str("user").is_ok() && a.get_datetime("at").is_ok()),
+            "{action} audited"
+        );
+    }
+    for d in daemons {
+        d.stop().await;
+    }
+    paused.close().await;
+    others.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_ends_by_itself_at_until() {
+    let env = TestEnv::new().await;
+    let c = env.config();
+    let v = vars(&env, &c);
+    let until = in_ms(4_000);
+    let o = cli(
+        &[
+            "pause",
+            &env.queue,
+            "--until",
+            &until.try_to_rfc3339_string().unwrap(),
+        ],
+        &v,
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(0), "{}{}", out(&o), err(&o));
+    let counter = DeliveryCounter::start(&env.queue).await;
+    let d = Daemon::spawn("d0", v.clone()).await;
+    let (ids, docs) = records(&env.queue, 50, -1_000, 1);
+    env.insert(docs).await;
+    assert!(
+        counter
+            .wait_distinct(ids.len(), Duration::from_secs(30))
+            .await
+    );
+    let first = counter
+        .first_seen()
+        .values()
+        .min()
+        .unwrap()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    assert!(
+        first >= until.timestamp_millis(),
+        "a record was sent {} ms before the pause ended",
+        until.timestamp_millis() - first
+    );
+    counter.settle(Duration::from_millis(300)).await;
+    assert_eq!(counter.duplicates(), 0);
+    let o = cli(&["paused"], &v).await;
+    assert!(out(&o).contains("0 paused"), "{}", out(&o));
+    d.stop().await;
+    counter.close().await;
+    env.cleanup().await;
+}
+
+/// Deliveries of `counter` over `span`, counted from now.
+async fn delivered_over(counter: &DeliveryCounter, span: Duration) -> usize {
+    let start = counter.total();
+    tokio::time::sleep(span).await;
+    counter.total() - start
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_holds_within_ten_percent_while_other_destinations_run_free() {
+    let env = TestEnv::new().await;
+    let slow = format!("{}-slow", env.queue);
+    env.declare_queue(&slow).await;
+    let mut c = env.config();
+    c.dispatch.destination = vec![DestinationLimit {
+        name: slow.clone(),
+        max_rate: 50.0,
+    }];
+    let slow_counter = DeliveryCounter::start(&slow).await;
+    let fast_counter = DeliveryCounter::start(&env.queue).await;
+    let (slow_ids, slow_docs) = records(&slow, 900, -1_000, 0);
+    let (fast_ids, fast_docs) = records(&env.queue, 2_000, -1_000, 0);
+    env.insert(slow_docs.into_iter().chain(fast_docs).collect())
+        .await;
+    let daemon = start(c);
+    assert!(slow_counter.wait_total(10, Duration::from_secs(30)).await);
+    assert!(
+        fast_counter
+            .wait_distinct(fast_ids.len(), Duration::from_secs(60))
+            .await,
+        "the other destination is not held back"
+    );
+    let slow_when_fast_done = slow_counter.total();
+    assert!(
+        slow_when_fast_done < fast_ids.len() / 2,
+        "{} slow records went out while 2,000 others did",
+        slow_when_fast_done
+    );
+    let sent = delivered_over(&slow_counter, Duration::from_secs(10)).await;
+    eprintln!(
+        "rate limit 50/s: {sent} sent in 10 s; {slow_when_fast_done} while 2,000 others went"
+    );
+    assert!(
+        (450..=550).contains(&sent),
+        "{sent} records in 10 s under a limit of 50/s"
+    );
+    assert!(
+        slow_counter
+            .wait_distinct(slow_ids.len(), Duration::from_secs(60))
+            .await
+    );
+    slow_counter.settle(Duration::from_millis(300)).await;
+    assert_eq!(slow_counter.duplicates(), 0);
+    daemon.stop().await;
+    slow_counter.close().await;
+    fast_counter.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_with_a_ramp_starts_at_a_trickle() {
+    let env = TestEnv::new().await;
+    let c = env.config();
+    let v = vars(&env, &c);
+    let o = cli(&["pause", &env.queue], &v).await;
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let counter = DeliveryCounter::start(&env.queue).await;
+    let d = Daemon::spawn("d0", v.clone()).await;
+    let (ids, docs) = records(&env.queue, 300, -1_000, 0);
+    env.insert(docs).await;
+    assert!(all_apply(std::slice::from_ref(&d), 1.0).await);
+    let o = cli(&["resume", &env.queue, "--ramp", "6s"], &v).await;
+    assert_eq!(o.status.code(), Some(0), "{}{}", out(&o), err(&o));
+    assert!(all_apply(std::slice::from_ref(&d), 0.0).await);
+    let started = Instant::now();
+    let first_second = delivered_over(&counter, Duration::from_secs(1)).await;
+    eprintln!("ramp: {first_second} records in its first second");
+    assert!(
+        first_second <= 15,
+        "{first_second} records in the ramp's first second (trickle: about 1-3)"
+    );
+    assert!(
+        counter
+            .wait_distinct(ids.len(), Duration::from_secs(60))
+            .await
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "300 records went out within {:?} of a 6 s ramp",
+        started.elapsed()
+    );
+    counter.settle(Duration::from_millis(300)).await;
+    assert_eq!(counter.duplicates(), 0);
+    d.stop().await;
+    counter.close().await;
+    env.cleanup().await;
+}
