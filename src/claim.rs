@@ -90,13 +90,19 @@ impl Store {
         // slice after meeting a racing instance (see `crate::window`).
         let slice = rand::random_range(0..window::SLICES);
         let range = self.window.range(lease::add(now, look_ahead), slice);
+        // Past the due records of the destinations left out, when a read from the start
+        // found where the others begin (see `crate::head`).
+        let from = match (range.from, self.head.start(excluded)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
         // Whole documents: when the compare-and-swap takes every candidate they are the batch.
         // One query per shape, each oldest first by its own index, merged by true instant.
         let reads = shapes.iter().map(|shape| {
             self.coll
                 .find(lease::due_within_except(
                     now,
-                    range.from,
+                    from,
                     range.to,
                     std::slice::from_ref(shape),
                     excluded,
@@ -121,6 +127,8 @@ impl Store {
         found.truncate(batch_size as usize);
         let found_count = found.len();
         let dues: Vec<DateTime> = found.iter().map(|(due, _)| *due).collect();
+        self.head
+            .update(excluded, from, now, dues.first().copied(), range.to);
         let windowed_more = self
             .window
             .update(&range, &dues, found_count >= batch_size as usize);

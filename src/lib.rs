@@ -12,7 +12,8 @@
 //! - [`deadline`], the bound on every call to MongoDB and RabbitMQ;
 //! - [`durability`], the MongoDB settings the lease relies on, checked at start;
 //! - [`store`], the MongoDB collection: [`claim`], the claim; [`window`], which part of the
-//!   due range a claim reads; [`shapes`], which `Time` shapes the collection holds;
+//!   due range a claim reads; [`head`], where it starts while destinations are paused;
+//!   [`shapes`], which `Time` shapes the collection holds;
 //!   [`census`], `stats` and the records nothing fires on its own;
 //! - [`message`], the `TimeoutMessage` wire format;
 //! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
@@ -41,6 +42,7 @@ pub mod dispatch;
 pub mod due;
 pub mod durability;
 pub mod guid;
+pub mod head;
 pub mod health;
 pub mod http;
 pub mod lease;

@@ -65,6 +65,8 @@ pub struct Store {
     pub(crate) decoding: Decoding,
     pub(crate) clock: ServerClock,
     pub(crate) window: Arc<ReadWindow>,
+    /// Where claims start reading while destinations are left out ([`crate::head`]).
+    pub(crate) head: Arc<crate::head::PausedHead>,
     lock_lease: Duration,
     pub(crate) shapes: Arc<ShapeCache>,
     pub(crate) census_state: Arc<crate::census::CensusState>,
@@ -129,6 +131,7 @@ impl Store {
             decoding: Decoding::from(config.time_encoding),
             clock,
             window: Arc::new(ReadWindow::default()),
+            head: Arc::default(),
             lock_lease: crate::config::DispatchConfig::default().lock_lease,
             shapes: Arc::new(ShapeCache::default()),
             census_state: Arc::default(),
@@ -357,6 +360,7 @@ impl Store {
 
     /// Frees one record if `owner` still holds it; `false` means the lease was lost.
     pub async fn release_one(&self, id: &Bson, owner: Uuid) -> Result<bool, StoreError> {
+        self.head.forget();
         let r = self
             .coll
             .update_one(
@@ -372,6 +376,8 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
+        // Freed records may be due before where claims start reading now.
+        self.head.forget();
         let r = self
             .coll
             .update_many(
@@ -391,6 +397,9 @@ impl Store {
                 lease::release_update(self.uuids),
             )
             .await?;
+        if r.modified_count > 0 {
+            self.head.forget();
+        }
         Ok(r.modified_count)
     }
 

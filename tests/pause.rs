@@ -349,3 +349,46 @@ async fn a_resume_with_a_ramp_starts_at_a_trickle() {
     counter.close().await;
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_due_before_a_paused_head_is_not_passed_over() {
+    // While a destination is paused, claims start reading where the other destinations'
+    // records begin (src/head.rs). A record that becomes claimable behind that point (here:
+    // inserted already overdue, as a release or an expired lease would leave one) is still
+    // claimed, by the next read from the start.
+    let env = TestEnv::new().await;
+    let live = format!("{}-live", env.queue);
+    env.declare_queue(&live).await;
+    let c = env.config();
+    let v = vars(&env, &c);
+    let o = cli(&["pause", &env.queue], &v).await;
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let (_, paused_docs) = records(&env.queue, 300, -600_000, 10);
+    env.insert(paused_docs).await;
+    let counter = DeliveryCounter::start(&live).await;
+    let d = Daemon::spawn("d0", v.clone()).await;
+    let (first, docs) = records(&live, 20, 0, 50);
+    env.insert(docs).await;
+    assert!(
+        counter
+            .wait_distinct(first.len(), Duration::from_secs(30))
+            .await
+    );
+    // Due ten minutes ago: before every paused record.
+    let (behind, docs) = records(&live, 5, -900_000, 1);
+    env.insert(docs).await;
+    assert!(
+        counter
+            .wait_distinct(first.len() + behind.len(), Duration::from_secs(30))
+            .await,
+        "records due before the paused head arrive"
+    );
+    assert_eq!(
+        env.count(doc! { "Destination": &env.queue }).await,
+        300,
+        "the paused ones stay"
+    );
+    d.stop().await;
+    counter.close().await;
+    env.cleanup().await;
+}
