@@ -80,9 +80,9 @@ pub enum Command {
     /// --skip-leased).
     Reschedule(crate::opscli::RescheduleArgs),
     /// Stop every instance claiming a destination's timeouts (within one poll interval).
-    Pause(crate::opscli::PauseArgs),
+    Pause(crate::controlcli::PauseArgs),
     /// End a destination's pause, optionally ramping its rate up.
-    Resume(crate::opscli::ResumeArgs),
+    Resume(crate::controlcli::ResumeArgs),
     /// The paused destinations.
     Paused {
         /// Print JSON instead of text.
@@ -301,49 +301,7 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             .await
         }
         Command::Stats { json } => {
-            let (stats, paused) = with_store(&config, async |store| {
-                let stats = store.bounded("count", store.stats()).await?;
-                let paused = store
-                    .bounded("count paused", store.paused_backlogs())
-                    .await?;
-                Ok((stats, paused))
-            })
-            .await?;
-            if json {
-                let mut shown = serde_json::to_value(&stats)?;
-                let paused: Vec<serde_json::Value> = paused
-                    .iter()
-                    .map(|(p, due, all)| {
-                        serde_json::json!({ "destination": p.destination, "due": due, "records": all, "since": p.since, "until": p.until })
-                    })
-                    .collect();
-                if let Some(o) = shown.as_object_mut() {
-                    o.insert("paused_destinations".into(), paused.into());
-                }
-                println!("{shown}");
-            } else {
-                println!("pending         {}", stats.pending);
-                println!("due             {}", stats.due);
-                println!("leased          {}", stats.leased);
-                println!("expired_leases  {}", stats.expired_leases);
-                println!("stuck_locks     {}", stats.stuck_locks);
-                println!("unschedulable   {}", stats.unschedulable);
-                match stats.oldest_due_age_seconds {
-                    Some(age) => println!("oldest_due_age  {age:.3}s"),
-                    None => println!("oldest_due_age  -"),
-                }
-                println!("retrying        {}", stats.retrying);
-                println!("parked          {}", stats.parked);
-                println!("paused          {}", paused.len());
-                for (p, due, all) in &paused {
-                    println!(
-                        "  {}  due={due}  records={all}  until={}",
-                        p.destination,
-                        p.until.as_deref().unwrap_or("resumed")
-                    );
-                }
-            }
-            Ok(())
+            with_store(&config, async |s| crate::controlcli::stats(s, json).await).await
         }
         Command::Reap => {
             let freed = with_store(&config, async |store| {
@@ -363,12 +321,14 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Reschedule(a) => {
             with_store(&config, async |s| crate::opscli::reschedule(s, a).await).await
         }
-        Command::Pause(a) => with_store(&config, async |s| crate::opscli::pause(s, a).await).await,
+        Command::Pause(a) => {
+            with_store(&config, async |s| crate::controlcli::pause(s, a).await).await
+        }
         Command::Resume(a) => {
-            with_store(&config, async |s| crate::opscli::resume(s, a).await).await
+            with_store(&config, async |s| crate::controlcli::resume(s, a).await).await
         }
         Command::Paused { json } => {
-            with_store(&config, async |s| crate::opscli::paused(s, json).await).await
+            with_store(&config, async |s| crate::controlcli::paused(s, json).await).await
         }
     }
 }

@@ -323,18 +323,24 @@ impl Store {
         })
     }
 
-    /// Per paused destination: its records due now, and all its records.
-    pub async fn paused_backlogs(&self) -> Result<Vec<(Pause, u64, u64)>, StoreError> {
+    /// Per paused destination: its records due now (a walk of the due range), and with
+    /// `total` all its records (a scan of the collection: no index has `Destination`, so only
+    /// `stats` asks for it, not the daemon's monitor).
+    pub async fn paused_backlogs(
+        &self,
+        total: bool,
+    ) -> Result<Vec<(Pause, u64, Option<u64>)>, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
         let mut out = Vec::new();
         for p in self.pauses().await? {
             let mine = doc! { crate::record::field::DESTINATION: &p.destination };
             let due = crate::lease::all_of([crate::lease::due_by(now, &shapes), mine.clone()]);
-            let (due, all) = tokio::try_join!(
-                self.query(self.coll.count_documents(due)),
-                self.query(self.coll.count_documents(mine)),
-            )?;
+            let due = self.query(self.coll.count_documents(due)).await?;
+            let all = match total {
+                true => Some(self.query(self.coll.count_documents(mine)).await?),
+                false => None,
+            };
             out.push((p, due, all));
         }
         Ok(out)

@@ -280,7 +280,7 @@ async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken)
             Err(e) => tracing::debug!(error = %e, "backlog query failed"),
         }
         match store
-            .bounded("read the paused backlog", store.paused_backlogs())
+            .bounded("read the paused backlog", store.paused_backlogs(false))
             .await
         {
             Ok(paused) => m::paused_backlog(paused.iter().map(|(_, due, _)| due).sum()),

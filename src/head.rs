@@ -171,7 +171,11 @@ mod tests {
         h.update_at(&paused(), None, at(10_000), Some(at(4_000)), at(12_000), t0);
         assert_eq!(h.start_at(&paused(), t0 + FULL_READ_EVERY), None, "lapsed");
         assert_eq!(h.start_at(&["other".to_string()], t0), None, "another set");
-        assert_eq!(h.start_at(&[], t0), None, "nothing left out: from the start");
+        assert_eq!(
+            h.start_at(&[], t0),
+            None,
+            "nothing left out: from the start"
+        );
         h.forget();
         assert_eq!(h.start_at(&paused(), t0), None, "forgotten");
         h.update_at(&paused(), None, at(10_000), Some(at(4_000)), at(12_000), t0);

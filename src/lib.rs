@@ -26,7 +26,8 @@
 //! - [`supervisor`], the essential tasks and what happens when one stops;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
 //! - [`listing`], `list`; [`ops`], `cancel` and `reschedule`; [`control`], pauses, ramps and
-//!   the audit of operator actions; [`opscli`], those commands on the command line;
+//!   the audit of operator actions; [`opscli`] and [`controlcli`], those commands on the
+//!   command line;
 //! - [`cli`], the command line.
 
 pub mod backoff;
@@ -36,6 +37,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod control;
+pub mod controlcli;
 pub mod daemon;
 pub mod deadline;
 pub mod dispatch;

@@ -130,7 +130,11 @@ impl Store {
                     "no timeout record has correlation id {correlation_id} (with that destination); nothing was changed"
                 )));
             }
-            Selector::Saga { .. } => {}
+            Selector::Saga { correlation_id, .. } => {
+                if docs.len() as i64 >= MAX_SELECTED {
+                    tracing::warn!(%correlation_id, records = docs.len(), "this saga has more records than one run acts on: run the command again for the rest");
+                }
+            }
         }
         Ok(docs)
     }

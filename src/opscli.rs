@@ -1,6 +1,6 @@
-//! The operator commands on the command line: `list`, `cancel`, `reschedule`, `pause`,
-//! `resume`, `paused`. Each action that changes something is logged with who ran it and
-//! recorded in the control collection ([`crate::control`]).
+//! The operator commands on the command line: `list`, `cancel`, `reschedule` (and, in
+//! [`crate::controlcli`], `pause`, `resume`, `paused`). Each action that changes something is
+//! logged with who ran it and recorded in the control collection ([`crate::control`]).
 //!
 //! Exit codes: 0 done; 1 a runtime failure; 2 bad input (an unknown id, a malformed instant,
 //! an empty destination); 3 records under a live lease were left as they are (not with
@@ -50,7 +50,7 @@ pub fn parse_signed_duration(s: &str) -> Result<i64, String> {
     Ok(sign * ms)
 }
 
-fn parse_destination(s: &str) -> Result<String, String> {
+pub(crate) fn parse_destination(s: &str) -> Result<String, String> {
     if s.trim().is_empty() {
         Err("a destination (queue name) must not be empty".into())
     } else {
@@ -143,35 +143,7 @@ pub struct RescheduleArgs {
     pub by: Option<i64>,
 }
 
-/// `timeoutd pause`.
-#[derive(Debug, Args)]
-pub struct PauseArgs {
-    /// The queue whose timeouts are held back.
-    #[arg(value_parser = parse_destination)]
-    pub destination: String,
-    /// Resume by itself at this instant (RFC 3339).
-    #[arg(long, value_name = "INSTANT", value_parser = parse_instant)]
-    pub until: Option<DateTime>,
-    /// Why (shown by `paused`, recorded in the control collection).
-    #[arg(long)]
-    pub reason: Option<String>,
-}
-
-/// `timeoutd resume`.
-#[derive(Debug, Args)]
-pub struct ResumeArgs {
-    /// The paused queue.
-    #[arg(value_parser = parse_destination)]
-    pub destination: String,
-    /// Raise its send rate from a trickle to unlimited over this time, e.g. 5m.
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
-    pub ramp: Option<Duration>,
-    /// Why (recorded in the control collection).
-    #[arg(long)]
-    pub reason: Option<String>,
-}
-
-fn dash(s: &Option<String>) -> &str {
+pub(crate) fn dash(s: &Option<String>) -> &str {
     s.as_deref().unwrap_or("-")
 }
 
@@ -308,89 +280,6 @@ pub async fn reschedule(store: &Store, a: RescheduleArgs) -> anyhow::Result<()> 
     let mut details = selection_details(&a.which);
     details.insert("to", shown);
     report(store, "reschedule", &a.which, outcomes, details).await
-}
-
-/// `timeoutd pause`.
-pub async fn pause(store: &Store, a: PauseArgs) -> anyhow::Result<()> {
-    let now = store.clock().now();
-    if a.until.is_some_and(|u| u <= now) {
-        return Err(OpsError::BadInput(format!(
-            "--until {} is not in the future",
-            a.until.and_then(show_instant).unwrap_or_default()
-        ))
-        .into());
-    }
-    let actor = Actor::current();
-    store
-        .bounded(
-            "pause",
-            store.pause(&a.destination, a.until, a.reason.as_deref(), &actor),
-        )
-        .await?;
-    let until = a.until.and_then(show_instant);
-    tracing::info!(target: "timeoutd::audit", action = "pause", destination = %a.destination, until = until.as_deref().unwrap_or("resumed"), host = %actor.host, user = %actor.user, reason = a.reason.as_deref().unwrap_or(""), "operator action");
-    let details = doc! { "destination": &a.destination, "until": until.clone() };
-    store
-        .bounded(
-            "record the action",
-            store.audit("pause", &actor, a.reason.as_deref(), details),
-        )
-        .await?;
-    println!(
-        "paused {} until {} (every instance stops claiming it within one poll interval)",
-        a.destination,
-        until.as_deref().unwrap_or("resumed")
-    );
-    Ok(())
-}
-
-/// `timeoutd resume`.
-pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
-    let actor = Actor::current();
-    let was = store
-        .bounded("resume", store.resume(&a.destination, a.ramp, &actor))
-        .await?;
-    let ramp = a.ramp.map(|r| humantime::format_duration(r).to_string());
-    tracing::info!(target: "timeoutd::audit", action = "resume", destination = %a.destination, ramp = ramp.as_deref().unwrap_or("none"), was_paused = was, host = %actor.host, user = %actor.user, "operator action");
-    let details = doc! { "destination": &a.destination, "ramp": ramp.clone(), "was_paused": was };
-    store
-        .bounded(
-            "record the action",
-            store.audit("resume", &actor, a.reason.as_deref(), details),
-        )
-        .await?;
-    if !was && a.ramp.is_none() {
-        return Err(OpsError::BadInput(format!("{} is not paused", a.destination)).into());
-    }
-    match ramp {
-        Some(r) => println!(
-            "resumed {}, its rate rising to unlimited over {r}",
-            a.destination
-        ),
-        None => println!("resumed {}", a.destination),
-    }
-    Ok(())
-}
-
-/// `timeoutd paused`.
-pub async fn paused(store: &Store, json: bool) -> anyhow::Result<()> {
-    let pauses = store.bounded("read pauses", store.pauses()).await?;
-    if json {
-        println!("{}", serde_json::to_string(&pauses)?);
-        return Ok(());
-    }
-    for p in &pauses {
-        println!(
-            "{}  since={}  until={}  by={}  reason={}",
-            p.destination,
-            dash(&p.since),
-            p.until.as_deref().unwrap_or("resumed"),
-            p.by,
-            if p.reason.is_empty() { "-" } else { &p.reason }
-        );
-    }
-    println!("{} paused", pauses.len());
-    Ok(())
 }
 
 /// The exit code of a failed command: 2 for bad input, 3 for records left under a lease,

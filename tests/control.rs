@@ -63,6 +63,7 @@ async fn list_reads_every_shape_and_state_and_filters() {
         Uuid::new_v4(),
         Uuid::new_v4(),
     );
+    let (retry_id, parked_id) = (Uuid::new_v4(), Uuid::new_v4());
     // Due instants whole seconds apart, far enough ahead that nothing here falls due.
     let base = DateTime::from_millis((DateTime::now().timestamp_millis() / 1000 + 3600) * 1000);
     let at = |s: i64| DateTime::from_millis(base.timestamp_millis() + s * 1000);
@@ -77,14 +78,36 @@ async fn list_reads_every_shape_and_state_and_filters() {
             lease_end,
         ),
         v7_record(due_id, "billing", Uuid::new_v4(), in_ms(-60_000), doc! {}),
+        leased(
+            v7_record(retry_id, "other", Uuid::new_v4(), at(6), doc! {}),
+            owner,
+            lease_end,
+        ),
     ])
     .await;
+    // A refused send counted for one leased record (retrying), and one parked record.
+    let db = env.coll.client().database(&env.db_name);
+    db.collection::<Document>("Timeouts_attempts")
+        .insert_one(doc! { "_id": uuid(retry_id), "attempts": 2 })
+        .await
+        .unwrap();
+    db.collection::<Document>("Timeouts_parked")
+        .insert_one(doc! {
+            "_id": uuid(parked_id),
+            "record": v7_record(parked_id, "billing", saga, at(5), doc! {}),
+            "reason": "unroutable",
+            "error": "no queue",
+            "attempts": 10_i64,
+            "parked_at": DateTime::now(),
+        })
+        .await
+        .unwrap();
 
     let o = cli(&["list", "--json"], &v).await;
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
     let rows = json(&o);
     let ids: Vec<&str> = rows.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    let expected: Vec<String> = [due_id, ticks_id, offset_id, legacy_id, leased_id]
+    let expected: Vec<String> = [due_id, ticks_id, offset_id, legacy_id, leased_id, retry_id]
         .iter()
         .map(Uuid::to_string)
         .collect();
@@ -133,7 +156,23 @@ async fn list_reads_every_shape_and_state_and_filters() {
     );
     assert_eq!(
         listed(vec!["--state".into(), "leased".into()]).await,
-        s(&[leased_id])
+        s(&[leased_id, retry_id]),
+        "leased takes in retrying"
+    );
+    assert_eq!(
+        listed(vec!["--state".into(), "retrying".into()]).await,
+        s(&[retry_id])
+    );
+    assert_eq!(row(retry_id)["state"], "retrying");
+    assert_eq!(
+        listed(vec![
+            "--state".into(),
+            "parked".into(),
+            "--correlation-id".into(),
+            saga.to_string()
+        ])
+        .await,
+        s(&[parked_id])
     );
     assert_eq!(
         listed(vec!["--state".into(), "due".into()]).await,
