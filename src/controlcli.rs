@@ -82,6 +82,9 @@ pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
         .bounded("resume", store.resume(&a.destination, a.ramp, &actor))
         .await?;
     let ramp = a.ramp.map(|r| humantime::format_duration(r).to_string());
+    if !was && a.ramp.is_none() {
+        return Err(OpsError::BadInput(format!("{} is not paused", a.destination)).into());
+    }
     tracing::info!(target: "timeoutd::audit", action = "resume", destination = %a.destination, ramp = ramp.as_deref().unwrap_or("none"), was_paused = was, host = %actor.host, user = %actor.user, "operator action");
     let details = doc! { "destination": &a.destination, "ramp": ramp.clone(), "was_paused": was };
     store
@@ -90,9 +93,6 @@ pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
             store.audit("resume", &actor, a.reason.as_deref(), details),
         )
         .await?;
-    if !was && a.ramp.is_none() {
-        return Err(OpsError::BadInput(format!("{} is not paused", a.destination)).into());
-    }
     match ramp {
         Some(r) => println!(
             "resumed {}, its rate rising to unlimited over {r}",

@@ -186,16 +186,16 @@ async fn start(
             tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
         }
     }
+    let wake = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(
         "control",
         ok(crate::control::watch(
             store.clone(),
             config.dispatch.poll_interval,
-            Arc::new(tokio::sync::Notify::new()),
+            wake.clone(),
             shutdown.clone(),
         )),
     );
-    let wake = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(
         "wakeup",
         ok(wakeup::run(

@@ -392,3 +392,27 @@ async fn a_record_due_before_a_paused_head_is_not_passed_over() {
     counter.close().await;
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_stream_applies_a_pause_before_the_next_poll() {
+    // Polled every 30 s, a pause reaches the instance through the control collection's
+    // change stream (the test server has change streams) long before the poll would.
+    let env = TestEnv::new().await;
+    let mut c = env.config();
+    c.dispatch.poll_interval = Duration::from_secs(30);
+    c.dispatch.look_ahead = Some(Duration::from_secs(1));
+    c.dispatch.lock_lease = Duration::from_secs(60);
+    let v = vars(&env, &c);
+    let d = Daemon::spawn("d0", v.clone()).await;
+    // Ready: its first read of the control collection is done and the stream is open.
+    assert!(d.ready_is(200, Duration::from_secs(30)).await);
+    let o = cli(&["pause", &env.queue], &v).await;
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let applied = eventually(Duration::from_secs(10), || async {
+        d.metric("timeoutd_paused_destinations").await == 1.0
+    })
+    .await;
+    assert!(applied, "the pause waited for the 30 s poll");
+    d.stop().await;
+    env.cleanup().await;
+}
