@@ -4,33 +4,15 @@
 
 mod common;
 
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 use bson::{Document, doc};
-use common::fleet::{BIN, Daemon, DeliveryCounter, vars};
+use common::fleet::{Daemon, DeliveryCounter, vars};
+use common::ops::{cli, err, out};
 use common::*;
 use serde_json::Value;
 use timeoutd::config::DestinationLimit;
 use uuid::Uuid;
-
-async fn cli(args: &[&str], vars: &[(String, String)]) -> Output {
-    tokio::process::Command::new(BIN)
-        .args(args)
-        .envs(vars.iter().cloned())
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("run timeoutd")
-}
-
-fn out(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn err(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
 
 /// `n` free records for `queue`, due every `step_ms` from `first_ms` from now.
 fn records(queue: &str, n: i64, first_ms: i64, step_ms: i64) -> (Vec<Uuid>, Vec<Document>) {
