@@ -51,6 +51,21 @@ async fn cancelled_records_never_arrive_under_load_on_three_instances() {
     let o = cli(&refs, &v).await;
     assert_eq!(o.status.code(), Some(0), "{}{}", out(&o), err(&o));
     assert_eq!(out(&o).matches("cancelled ").count(), 20, "{}", out(&o));
+    // What will fire for this saga, and when: listed while the fleet sends.
+    let o = cli(
+        &["list", "--json", "--correlation-id", &saga.to_string()],
+        &v,
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let mut listed: Vec<String> = json(&o)
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_string())
+        .collect();
+    let mut want: Vec<String> = by_saga.iter().map(Uuid::to_string).collect();
+    listed.sort();
+    want.sort();
+    assert_eq!(listed, want, "list shows the saga's 20 records");
     let o = cli(
         &["cancel", "--correlation-id", &saga.to_string(), "--json"],
         &v,
