@@ -9,8 +9,9 @@
 //! - `audit`: `action`, `at`, `host`, `user`, `reason`, `details`, `expire_at` (kept
 //!   [`AUDIT_RETENTION`]).
 //!
-//! Every instance reads the pauses and ramps every poll interval ([`watch`]) into
-//! [`ControlState`], which the claim ([`crate::claim`]) and the dispatch loop consult.
+//! Every instance reads the pauses and ramps every poll interval, and at once when the
+//! collection changes ([`crate::controlwatch`]), into [`ControlState`], which the claim
+//! ([`crate::claim`]) and the dispatch loop consult.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -21,7 +22,6 @@ use futures::TryStreamExt;
 use mongodb::IndexModel;
 use mongodb::options::IndexOptions;
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 
 use crate::listing::show_instant;
 use crate::store::{Store, StoreError};
@@ -349,72 +349,5 @@ impl Store {
     /// The pauses and ramps this instance obeys now.
     pub fn control_state(&self) -> Arc<Snapshot> {
         self.control_state.get()
-    }
-}
-
-/// How long to wait before opening the control collection's change stream again.
-const REOPEN_STREAM: Duration = Duration::from_secs(30);
-
-/// Reads the control collection every `interval` until shutdown, and at once when its change
-/// stream (where the server has one) reports a write, into the store's [`ControlState`]; logs
-/// each change and signals `changed` (the dispatch loop's wake-up, so it applies the change
-/// and claims at once).
-pub async fn watch(
-    store: Store,
-    interval: Duration,
-    changed: Arc<tokio::sync::Notify>,
-    shutdown: CancellationToken,
-) {
-    let mut stream = None;
-    let mut opened_at: Option<std::time::Instant> = None;
-    loop {
-        read_once(&store, &changed).await;
-        if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
-            opened_at = Some(std::time::Instant::now());
-            stream = store
-                .bounded("watch the control collection", async {
-                    Ok(store.control.watch().await?)
-                })
-                .await
-                .ok();
-        }
-        let next_write = async {
-            match stream.as_mut() {
-                Some(s) => futures::StreamExt::next(s).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
-            event = next_write => {
-                if !matches!(event, Some(Ok(_))) {
-                    stream = None;
-                }
-            }
-            _ = shutdown.cancelled() => return,
-        }
-    }
-}
-
-async fn read_once(store: &Store, changed: &tokio::sync::Notify) {
-    match store.bounded("read pauses", store.read_control()).await {
-        Ok(next) => {
-            let now_ms = store.clock().now().timestamp_millis();
-            let longest = next
-                .oldest_pause_ms
-                .map_or(0.0, |t| now_ms.saturating_sub(t).max(0) as f64 / 1000.0);
-            crate::metrics::pause_age(longest);
-            let before = store.control_state();
-            if store.control_state.set(next.clone()) {
-                for d in next.paused.iter().filter(|d| !before.paused.contains(d)) {
-                    tracing::warn!(destination = %d, "destination paused: not claiming its records");
-                }
-                for d in before.paused.iter().filter(|d| !next.paused.contains(d)) {
-                    tracing::warn!(destination = %d, "destination resumed");
-                }
-                changed.notify_one();
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "could not read pauses; keeping the last ones"),
     }
 }

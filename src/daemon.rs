@@ -189,7 +189,7 @@ async fn start(
     let wake = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(
         "control",
-        ok(crate::control::watch(
+        ok(crate::controlwatch::watch(
             store.clone(),
             config.dispatch.poll_interval,
             wake.clone(),

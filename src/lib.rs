@@ -26,7 +26,8 @@
 //! - [`supervisor`], the essential tasks and what happens when one stops;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
 //! - [`listing`], `list`; [`ops`], `cancel` and `reschedule`; [`control`], pauses, ramps and
-//!   the audit of operator actions; [`opscli`] and [`controlcli`], those commands on the
+//!   the audit of operator actions, and [`controlwatch`], the task that obeys them;
+//!   [`opscli`] and [`controlcli`], those commands on the
 //!   command line;
 //! - [`cli`], the command line.
 
@@ -38,6 +39,7 @@ pub mod clock;
 pub mod config;
 pub mod control;
 pub mod controlcli;
+pub mod controlwatch;
 pub mod daemon;
 pub mod deadline;
 pub mod dispatch;
