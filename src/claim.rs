@@ -70,6 +70,20 @@ impl Store {
         lease_len: Duration,
         look_ahead: Duration,
     ) -> Result<Claim, StoreError> {
+        let paused = self.control_state().paused.clone();
+        self.claim_except(batch_size, lease_len, look_ahead, &paused)
+            .await
+    }
+
+    /// [`Store::claim_window`] of records of every destination but `excluded`: the paused
+    /// ones, and those the dispatch loop holds enough of under a rate limit.
+    pub async fn claim_except(
+        &self,
+        batch_size: u32,
+        lease_len: Duration,
+        look_ahead: Duration,
+        excluded: &[String],
+    ) -> Result<Claim, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
         let lease = Lease::new(now, lease_len);
@@ -77,15 +91,22 @@ impl Store {
         // slice after meeting a racing instance (see `crate::window`).
         let slice = rand::random_range(0..window::SLICES);
         let range = self.window.range(lease::add(now, look_ahead), slice);
+        // Past the due records of the destinations left out, when a read from the start
+        // found where the others begin (see `crate::head`).
+        let from = match (range.from, self.head.start(excluded)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
         // Whole documents: when the compare-and-swap takes every candidate they are the batch.
         // One query per shape, each oldest first by its own index, merged by true instant.
         let reads = shapes.iter().map(|shape| {
             self.coll
-                .find(lease::due_within(
+                .find(lease::due_within_except(
                     now,
-                    range.from,
+                    from,
                     range.to,
                     std::slice::from_ref(shape),
+                    excluded,
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
@@ -110,6 +131,8 @@ impl Store {
         found.truncate(batch_size as usize);
         let found_count = found.len();
         let dues: Vec<DateTime> = found.iter().map(|(due, _)| *due).collect();
+        self.head
+            .update(excluded, from, now, dues.first().copied(), range.to);
         let windowed_more = self
             .window
             .update(&range, &dues, found_count >= batch_size as usize);
@@ -129,7 +152,10 @@ impl Store {
             "claim",
             self.coll
                 .update_many(
-                    lease::claim_filter(now, range.to, &shapes, &candidates),
+                    lease::except(
+                        lease::claim_filter(now, range.to, &shapes, &candidates),
+                        excluded,
+                    ),
                     lease::claim_update(&lease, self.uuids),
                 )
                 .into_future(),

@@ -1,6 +1,9 @@
-//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`.
+//! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`,
+//! and the operator commands of [`crate::opscli`] (`list`, `cancel`, `reschedule`, `pause`,
+//! `resume`, `paused`).
 //!
-//! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments.
+//! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments (an
+//! unknown id, a malformed instant), 3 records under a live lease were left as they are.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -65,6 +68,26 @@ pub enum Command {
     Parked {
         #[command(subcommand)]
         action: ParkedCommand,
+    },
+    /// Timeouts, soonest first: id, destination, correlation id, due instant, state, and the
+    /// owner and lease end of a leased one.
+    List(crate::opscli::ListArgs),
+    /// Delete timeouts that are not being sent (records under a live lease are left and
+    /// reported; exit 3 unless --skip-leased).
+    Cancel(crate::opscli::Which),
+    /// Move the due instant of timeouts that are not being sent, in each record's own
+    /// encoding (records under a live lease are left and reported; exit 3 unless
+    /// --skip-leased).
+    Reschedule(crate::opscli::RescheduleArgs),
+    /// Stop every instance claiming a destination's timeouts (within one poll interval).
+    Pause(crate::controlcli::PauseArgs),
+    /// End a destination's pause, optionally ramping its rate up.
+    Resume(crate::controlcli::ResumeArgs),
+    /// The paused destinations.
+    Paused {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
     Health {
@@ -141,9 +164,12 @@ pub fn main(cli: Cli) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let shown = redact_text(&format!("{e:#}"));
-            tracing::error!("{shown}");
+            let code = crate::opscli::exit_code(&e);
+            if code == 1 {
+                tracing::error!("{shown}");
+            }
             eprintln!("timeoutd: error: {shown}");
-            ExitCode::FAILURE
+            ExitCode::from(code)
         }
     }
 }
@@ -193,7 +219,14 @@ fn init_logging(config: &Config, daemon: bool) {
         level => level,
     };
     let filter = from_env.unwrap_or_else(|| {
-        tracing_subscriber::EnvFilter::new(format!("{level},lapin::returned_messages=error"))
+        // Operator actions are logged with who ran them (`timeoutd::audit`), also by the
+        // one-shot commands.
+        let audit = if level == "error" || level == "off" {
+            ""
+        } else {
+            ",timeoutd::audit=info"
+        };
+        tracing_subscriber::EnvFilter::new(format!("{level},lapin::returned_messages=error{audit}"))
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -268,27 +301,7 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             .await
         }
         Command::Stats { json } => {
-            let stats = with_store(&config, async |store| {
-                Ok(store.bounded("count", store.stats()).await?)
-            })
-            .await?;
-            if json {
-                println!("{}", serde_json::to_string(&stats)?);
-            } else {
-                println!("pending         {}", stats.pending);
-                println!("due             {}", stats.due);
-                println!("leased          {}", stats.leased);
-                println!("expired_leases  {}", stats.expired_leases);
-                println!("stuck_locks     {}", stats.stuck_locks);
-                println!("unschedulable   {}", stats.unschedulable);
-                match stats.oldest_due_age_seconds {
-                    Some(age) => println!("oldest_due_age  {age:.3}s"),
-                    None => println!("oldest_due_age  -"),
-                }
-                println!("retrying        {}", stats.retrying);
-                println!("parked          {}", stats.parked);
-            }
-            Ok(())
+            with_store(&config, async |s| crate::controlcli::stats(s, json).await).await
         }
         Command::Reap => {
             let freed = with_store(&config, async |store| {
@@ -300,6 +313,22 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Parked { action } => {
             with_store(&config, async |store| parked(action, store).await).await
+        }
+        Command::List(a) => with_store(&config, async |s| crate::opscli::list(s, a).await).await,
+        Command::Cancel(w) => {
+            with_store(&config, async |s| crate::opscli::cancel(s, w).await).await
+        }
+        Command::Reschedule(a) => {
+            with_store(&config, async |s| crate::opscli::reschedule(s, a).await).await
+        }
+        Command::Pause(a) => {
+            with_store(&config, async |s| crate::controlcli::pause(s, a).await).await
+        }
+        Command::Resume(a) => {
+            with_store(&config, async |s| crate::controlcli::resume(s, a).await).await
+        }
+        Command::Paused { json } => {
+            with_store(&config, async |s| crate::controlcli::paused(s, json).await).await
         }
     }
 }

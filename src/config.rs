@@ -57,6 +57,10 @@ pub struct MongoConfig {
     /// Where failed-send counts are kept; `<collection>_attempts` when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attempts_collection: Option<String>,
+    /// timeoutd's control collection (pauses, ramps, the audit of operator actions);
+    /// `<collection>_control` when absent. Never the timeouts collection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control_collection: Option<String>,
     /// PEM file of the CA that signed the server's certificate; turns TLS on. (The URI's own
     /// `tls=true&tlsCAFile=...` options work too.)
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -75,6 +79,13 @@ impl MongoConfig {
         self.parked_collection
             .clone()
             .unwrap_or_else(|| format!("{}_parked", self.collection))
+    }
+
+    /// The control collection: pauses, ramps and the audit of operator actions.
+    pub fn control_collection(&self) -> String {
+        self.control_collection
+            .clone()
+            .unwrap_or_else(|| format!("{}_control", self.collection))
     }
 
     /// The collection that counts failed sends per record.
@@ -96,6 +107,7 @@ impl Default for MongoConfig {
             uuid_representation: UuidRepresentation::Standard,
             parked_collection: None,
             attempts_collection: None,
+            control_collection: None,
             tls_ca_file: None,
             tls_certificate_key_file: None,
             operation_timeout: Duration::from_secs(10),
@@ -221,6 +233,21 @@ pub struct DispatchConfig {
     /// the start of its window late; `0s` turns it off.
     #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
     pub look_ahead: Option<Duration>,
+    /// Most records a second this instance sends, all destinations together; none when
+    /// absent. Per instance: a fleet of `n` sends up to `n` times this.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_rate: Option<f64>,
+    /// Per-destination limits (`[[dispatch.destination]] name, max_rate`), per instance.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub destination: Vec<DestinationLimit>,
+}
+
+/// `[[dispatch.destination]]`: the most records a second this instance sends to one queue.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DestinationLimit {
+    pub name: String,
+    pub max_rate: f64,
 }
 
 impl DispatchConfig {
@@ -239,6 +266,8 @@ impl Default for DispatchConfig {
             lease_safety_margin: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(20),
             look_ahead: None,
+            max_rate: None,
+            destination: Vec::new(),
         }
     }
 }
@@ -510,6 +539,33 @@ impl Config {
                 ),
             );
         }
+        let positive = |r: f64| r.is_finite() && r > 0.0;
+        if d.max_rate.is_some_and(|r| !positive(r)) {
+            bad(
+                "dispatch.max_rate",
+                "must be a number of records a second above zero".into(),
+            );
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, limit) in d.destination.iter().enumerate() {
+            if limit.name.trim().is_empty() {
+                bad(
+                    &format!("dispatch.destination[{i}].name"),
+                    "must not be empty".into(),
+                );
+            } else if !names.insert(limit.name.as_str()) {
+                bad(
+                    &format!("dispatch.destination[{i}].name"),
+                    format!("`{}` is listed twice", limit.name),
+                );
+            }
+            if !positive(limit.max_rate) {
+                bad(
+                    &format!("dispatch.destination[{i}].max_rate"),
+                    "must be a number of records a second above zero".into(),
+                );
+            }
+        }
         if let Some(i) = self.reaper.interval
             && i.is_zero()
         {
@@ -527,6 +583,10 @@ impl Config {
                 "mongodb.attempts_collection",
                 &self.mongodb.attempts_collection(),
             ),
+            (
+                "mongodb.control_collection",
+                &self.mongodb.control_collection(),
+            ),
             ("rabbitmq.uri", &self.rabbitmq.uri),
             ("rabbitmq.source_address", &self.rabbitmq.source_address),
             ("rabbitmq.full_type_name", &self.rabbitmq.full_type_name),
@@ -543,6 +603,19 @@ impl Config {
             bad(
                 "mongodb.parked_collection",
                 "mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection must all differ".into(),
+            );
+        }
+        let control = m.control_collection();
+        if [
+            &m.collection,
+            &m.parked_collection(),
+            &m.attempts_collection(),
+        ]
+        .contains(&&control)
+        {
+            bad(
+                "mongodb.control_collection",
+                "must differ from mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection".into(),
             );
         }
         if !has_scheme(&self.mongodb.uri, &["mongodb://", "mongodb+srv://"]) {
@@ -825,6 +898,39 @@ mod tests {
         .unwrap();
         assert_eq!(c.mongodb.uri, "mongodb://u:from-file@db:27017");
         assert!(!c.to_redacted_toml().contains("from-file"));
+    }
+
+    #[test]
+    fn rate_limits_parse_and_are_checked() {
+        let c = Config::from_toml(
+            "[dispatch]\nmax_rate = 500\n[[dispatch.destination]]\nname = \"billing\"\nmax_rate = 20.5\n",
+        )
+        .unwrap();
+        assert_eq!(c.dispatch.max_rate, Some(500.0));
+        assert_eq!(c.dispatch.destination[0].name, "billing");
+        assert_eq!(c.dispatch.destination[0].max_rate, 20.5);
+        assert_eq!(
+            Config::from_toml(&c.to_redacted_toml()).unwrap().dispatch,
+            c.dispatch
+        );
+        assert_eq!(keys_of("[dispatch]\nmax_rate = 0"), ["dispatch.max_rate"]);
+        assert_eq!(
+            keys_of("[[dispatch.destination]]\nname = \"\"\nmax_rate = 1"),
+            ["dispatch.destination[0].name"]
+        );
+        assert_eq!(
+            keys_of(
+                "[[dispatch.destination]]\nname = \"a\"\nmax_rate = 1\n[[dispatch.destination]]\nname = \"a\"\nmax_rate = -1"
+            ),
+            [
+                "dispatch.destination[1].name",
+                "dispatch.destination[1].max_rate"
+            ]
+        );
+        assert_eq!(
+            keys_of("[mongodb]\ncontrol_collection = \"Timeouts\""),
+            ["mongodb.control_collection"]
+        );
     }
 
     #[test]

@@ -171,7 +171,31 @@ async fn start(
             shutdown.clone(),
         )),
     );
+    if let Err(e) = store
+        .bounded("create control indexes", store.ensure_control_indexes())
+        .await
+    {
+        tracing::warn!(error = %e, "could not create the control collection's indexes; continuing");
+    }
+    // Pauses in force before the first claim, so a starting instance claims none of them.
+    match store.bounded("read pauses", store.read_control()).await {
+        Ok(snapshot) => {
+            store.control_state.set(snapshot);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
+        }
+    }
     let wake = Arc::new(tokio::sync::Notify::new());
+    tasks.spawn(
+        "control",
+        ok(crate::controlwatch::watch(
+            store.clone(),
+            config.dispatch.poll_interval,
+            wake.clone(),
+            shutdown.clone(),
+        )),
+    );
     tasks.spawn(
         "wakeup",
         ok(wakeup::run(
@@ -254,6 +278,13 @@ async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken)
                 m::parked_records(parked);
             }
             Err(e) => tracing::debug!(error = %e, "backlog query failed"),
+        }
+        match store
+            .bounded("read the paused backlog", store.paused_backlogs(false))
+            .await
+        {
+            Ok(paused) => m::paused_backlog(paused.iter().map(|(_, due, _)| due).sum()),
+            Err(e) => tracing::debug!(error = %e, "paused backlog query failed"),
         }
         tokio::select! {
             _ = tokio::time::sleep(MONITOR_INTERVAL) => {}

@@ -118,6 +118,37 @@ pub fn due_within(
     ])
 }
 
+/// [`due_within`] for every destination but `excluded` (paused ones, and those this
+/// instance holds enough of under a rate limit): one more clause at the end of the same
+/// `$and`, so the index bounds of the first clause stay as they are.
+pub fn due_within_except(
+    now: DateTime,
+    from: Option<DateTime>,
+    horizon: DateTime,
+    shapes: &[Shape],
+    excluded: &[String],
+) -> Document {
+    let filter = due_within(now, from, horizon, shapes);
+    except(filter, excluded)
+}
+
+/// `filter` (an explicit `$and`) with `Destination` not among `excluded`, when there are any.
+pub fn except(mut filter: Document, excluded: &[String]) -> Document {
+    if excluded.is_empty() {
+        return filter;
+    }
+    if let Ok(clauses) = filter.get_array_mut("$and") {
+        clauses.push(Bson::Document(
+            doc! { field::DESTINATION: { "$nin": excluded.to_vec() } },
+        ));
+        return filter;
+    }
+    all_of([
+        filter,
+        doc! { field::DESTINATION: { "$nin": excluded.to_vec() } },
+    ])
+}
+
 /// The clauses joined by an explicit `$and`. The same query as one document of implicit
 /// clauses, but SecantusDB plans it differently: with the clauses in one document it scans
 /// the whole `"Time.0"` index (measured: 200 ms with 200k future records), with `$and` it

@@ -12,10 +12,11 @@
 //! - [`deadline`], the bound on every call to MongoDB and RabbitMQ;
 //! - [`durability`], the MongoDB settings the lease relies on, checked at start;
 //! - [`store`], the MongoDB collection: [`claim`], the claim; [`window`], which part of the
-//!   due range a claim reads; [`shapes`], which `Time` shapes the collection holds;
+//!   due range a claim reads; [`head`], where it starts while destinations are paused;
+//!   [`shapes`], which `Time` shapes the collection holds;
 //!   [`census`], `stats` and the records nothing fires on its own;
 //! - [`message`], the `TimeoutMessage` wire format;
-//! - [`publisher`], RabbitMQ with publisher confirms;
+//! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
 //! - [`metrics`], metric names and recording;
@@ -24,6 +25,10 @@
 //! - [`shutdown`], signals;
 //! - [`supervisor`], the essential tasks and what happens when one stops;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
+//! - [`listing`], `list`; [`ops`], `cancel` and `reschedule`; [`control`], pauses, ramps and
+//!   the audit of operator actions, and [`controlwatch`], the task that obeys them;
+//!   [`opscli`] and [`controlcli`], those commands on the
+//!   command line;
 //! - [`cli`], the command line.
 
 pub mod backoff;
@@ -32,19 +37,27 @@ pub mod claim;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod control;
+pub mod controlcli;
+pub mod controlwatch;
 pub mod daemon;
 pub mod deadline;
 pub mod dispatch;
 pub mod due;
 pub mod durability;
 pub mod guid;
+pub mod head;
 pub mod health;
 pub mod http;
 pub mod lease;
+pub mod listing;
 pub mod message;
 pub mod metrics;
+pub mod ops;
+pub mod opscli;
 pub mod parking;
 pub mod publisher;
+pub mod ratelimit;
 pub mod reaper;
 pub mod record;
 pub mod redact;

@@ -29,7 +29,15 @@ pub const PARKED_REASONS: &[&str] = &[
     "unsendable",
 ];
 /// `timeoutd_released_total{reason}`.
-pub const RELEASED_REASONS: &[&str] = &["shutdown", "margin", "publish_failed", "supervisor"];
+pub const RELEASED_REASONS: &[&str] = &[
+    "shutdown",
+    "margin",
+    "publish_failed",
+    "supervisor",
+    "paused",
+];
+/// `timeoutd_held_back_total{reason}`.
+pub const HELD_BACK_REASONS: &[&str] = &["paused", "rate_limit"];
 /// `timeoutd_publish_failures_total{reason}`.
 pub const PUBLISH_FAILURE_REASONS: &[&str] = &["returned", "nacked", "timeout", "connection"];
 /// `timeoutd_dependency_up{dependency}`.
@@ -37,7 +45,9 @@ pub const DEPENDENCIES: &[&str] = &[MONGODB, RABBITMQ];
 /// `timeoutd_mongodb_call_seconds{call}`: the dispatch path's calls, one per lease step.
 pub const MONGODB_CALLS: &[&str] = &["find", "claim", "read_back", "remove", "release"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
-pub const TASKS: &[&str] = &["dispatch", "reaper", "monitor", "wakeup", "http", "systemd"];
+pub const TASKS: &[&str] = &[
+    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control",
+];
 
 /// A series' Prometheus type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -297,6 +307,44 @@ pub const SERIES: &[Series] = &[
         None,
         "Always 1; the version label names the running build.",
     ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_paused_destinations",
+            Gauge,
+            None,
+            "Destinations paused fleet-wide (timeoutd pause), as this instance applies them now.",
+        )
+    },
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_longest_pause_seconds",
+            Gauge,
+            Some(Unit::Seconds),
+            "How long the oldest pause in force has lasted; 0 when no destination is paused.",
+        )
+    },
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_paused_backlog",
+            Gauge,
+            None,
+            "Records of paused destinations due now (held back by the pause), at the last monitor reading.",
+        )
+    },
+    labelled(
+        series(
+            "timeoutd_held_back_total",
+            Counter,
+            Some(Unit::Count),
+            "Claimed records not sent when due, by reason: paused (released unsent), rate_limit (each wait for a send-rate token).",
+        ),
+        "reason",
+        HELD_BACK_REASONS,
+        Start::Zero,
+    ),
 ];
 
 /// Gives every series its HELP text and registers the counters, histograms and known label
@@ -447,4 +495,24 @@ pub fn census(unschedulable: u64, stuck_locks: u64) {
 /// Whether the daemon runs all its essential tasks.
 pub fn up(up: bool) {
     metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });
+}
+
+/// The destinations paused now, as the dispatch loop applies them.
+pub fn paused_destinations(n: usize) {
+    metrics::gauge!("timeoutd_paused_destinations").set(n as f64);
+}
+
+/// How long the oldest pause in force has lasted.
+pub fn pause_age(longest_seconds: f64) {
+    metrics::gauge!("timeoutd_longest_pause_seconds").set(longest_seconds);
+}
+
+/// The due records paused destinations hold back (from the monitor's periodic query).
+pub fn paused_backlog(n: u64) {
+    metrics::gauge!("timeoutd_paused_backlog").set(n as f64);
+}
+
+/// Claimed records held back from a send, by reason.
+pub fn held_back(reason: &'static str, n: usize) {
+    metrics::counter!("timeoutd_held_back_total", "reason" => reason).increment(n as u64);
 }

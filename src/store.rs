@@ -57,16 +57,22 @@ pub enum StoreError {
 pub struct Store {
     pub(crate) db: Database,
     pub(crate) coll: Collection<Document>,
-    parked: Collection<Document>,
-    attempts: Collection<Document>,
+    pub(crate) parked: Collection<Document>,
+    pub(crate) attempts: Collection<Document>,
+    /// timeoutd's control collection: pauses, ramps and the audit of operator actions.
+    pub(crate) control: Collection<Document>,
     pub(crate) encoding: TimeEncoding,
     pub(crate) uuids: UuidRepresentation,
     pub(crate) decoding: Decoding,
     pub(crate) clock: ServerClock,
     pub(crate) window: Arc<ReadWindow>,
+    /// Where claims start reading while destinations are left out ([`crate::head`]).
+    pub(crate) head: Arc<crate::head::PausedHead>,
     lock_lease: Duration,
     pub(crate) shapes: Arc<ShapeCache>,
     pub(crate) census_state: Arc<crate::census::CensusState>,
+    /// The pauses and ramps in force, as the control watcher last read them.
+    pub(crate) control_state: Arc<crate::control::ControlState>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
     /// The write concern and read preference the URI set, for [`Store::durability_risks`].
@@ -114,19 +120,23 @@ impl Store {
         let coll = db.collection::<Document>(&config.collection);
         let parked = db.collection::<Document>(&config.parked_collection());
         let attempts = db.collection::<Document>(&config.attempts_collection());
+        let control = db.collection::<Document>(&config.control_collection());
         Ok(Self {
             db,
             coll,
             parked,
             attempts,
+            control,
             encoding: config.time_encoding,
             uuids: config.uuid_representation,
             decoding: Decoding::from(config.time_encoding),
             clock,
             window: Arc::new(ReadWindow::default()),
+            head: Arc::default(),
             lock_lease: crate::config::DispatchConfig::default().lock_lease,
             shapes: Arc::new(ShapeCache::default()),
             census_state: Arc::default(),
+            control_state: Arc::default(),
             op_timeout: config.operation_timeout,
             write_concern,
             selection,
@@ -399,6 +409,7 @@ impl Store {
 
     /// Frees one record if `owner` still holds it; `false` means the lease was lost.
     pub async fn release_one(&self, id: &Bson, owner: Uuid) -> Result<bool, StoreError> {
+        self.head.forget();
         let r = self
             .coll
             .update_one(
@@ -414,6 +425,8 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
+        // Freed records may be due before where claims start reading now.
+        self.head.forget();
         let r = Self::timed(
             "release",
             self.coll
@@ -436,6 +449,9 @@ impl Store {
                 lease::release_update(self.uuids),
             )
             .await?;
+        if r.modified_count > 0 {
+            self.head.forget();
+        }
         Ok(r.modified_count)
     }
 

@@ -15,6 +15,9 @@
 //! - `claim-small`, `claim-large`: `Store::claim` of 500 due records with 10k and with 1M
 //!   future records in the collection (scenario key `claim`); `claim-backlog`, not a target:
 //!   the same with 50k due records waiting as well, what a drain's claims face;
+//! - `claim-paused` (issue 14): claims of 500 with 100k due records of a paused destination
+//!   at the head of the due range, per `Time` shape, against the same without them
+//!   (`benches/dispatch/paused.rs`);
 //! - `rss`: one `timeoutd run` draining 100k due records; its peak RSS (`VmHWM`).
 //!
 //! Throughput is counted by a consumer on the destination queue (deliveries per `MessageId`,
@@ -29,7 +32,7 @@
 //!   (1 = the issue's sizes, 0.1 for a quick run);
 //! - `TIMEOUTD_BENCH_OUT`: where the JSON goes (default `target/bench/dispatch.json`);
 //! - `TIMEOUTD_BENCH_ONLY`: comma-separated scenario keys (`raw,baseline,timeoutd-1,
-//!   timeoutd-3,lateness-timeoutd,lateness-baseline,claim,rss`), default all;
+//!   timeoutd-3,lateness-timeoutd,lateness-baseline,claim,claim-paused,rss`), default all;
 //! - `TIMEOUTD_BENCH_BIN`: the `timeoutd` executable (default: the one cargo built with this
 //!   bench);
 //! - `TIMEOUTD_BENCH_RAW_WINDOW`: unconfirmed publishes in flight for `raw` (default 1000);
@@ -50,6 +53,7 @@
 //! Run by `cargo test --all-targets` (without `--bench`) it only prints how to run it.
 
 mod floors;
+mod paused;
 mod shape;
 
 use std::collections::{HashMap, HashSet};
@@ -115,6 +119,7 @@ const ALL_SCENARIOS: &[&str] = &[
     "lateness-timeoutd",
     "lateness-baseline",
     "claim",
+    "claim-paused",
     "rss",
 ];
 
@@ -1812,6 +1817,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
             "lateness-timeoutd" => scenario_lateness(&ctx, &scen, true).await.map(|r| vec![r]),
             "lateness-baseline" => scenario_lateness(&ctx, &scen, false).await.map(|r| vec![r]),
             "claim" => scenario_claim(&ctx, &scen).await,
+            "claim-paused" => paused::scenario(&ctx, &scen).await,
             "rss" => scenario_timeoutd_drain(&ctx, &scen, key, ctx.scaled(RSS_RECORDS, 1_000), 1)
                 .await
                 .map(|r| vec![r]),

@@ -44,6 +44,7 @@ impl Dispatcher {
             && !self.claims.is_running()
             && self.held.len() < cap
             && (self.wave_started.is_none() || self.wave_proven)
+            && !self.rate_saturated()
     }
 
     /// A background claim returned.
@@ -104,6 +105,7 @@ impl Dispatcher {
         let store = self.store.clone();
         let d = &self.config.dispatch;
         let (batch, lease, ahead) = (d.batch_size, d.lock_lease, d.look_ahead());
+        let excluded = self.excluded_destinations();
         self.tasks.spawn(async move {
             let started = Instant::now();
             // Tests only: a slow claim (a wake-up must not be lost while it runs).
@@ -113,7 +115,7 @@ impl Dispatcher {
             {
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             }
-            let claim = store.claim_window(batch, lease, ahead);
+            let claim = store.claim_except(batch, lease, ahead, &excluded);
             let result = match AssertUnwindSafe(store.bounded("claim", claim))
                 .catch_unwind()
                 .await

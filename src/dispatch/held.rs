@@ -41,9 +41,39 @@ impl Held {
         self.queue.is_empty()
     }
 
-    /// The due instant of the soonest record.
+    /// Puts a record back to be taken again at `at_ms` (server clock), not before: a send a
+    /// rate limit holds back. Its due instant, and so its lateness, stay as they were.
+    pub fn defer(&mut self, r: Ready, at_ms: i64) {
+        self.seq += 1;
+        self.queue.insert((at_ms, self.seq), r);
+    }
+
+    /// Takes every record `matches` selects (a paused destination's).
+    pub fn take_matching(&mut self, matches: impl Fn(&Ready) -> bool) -> Vec<Ready> {
+        let keys: Vec<(i64, u64)> = self
+            .queue
+            .iter()
+            .filter(|(_, r)| matches(r))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.iter().filter_map(|k| self.queue.remove(k)).collect()
+    }
+
+    /// How many records of `destination` are held.
+    pub fn count_of(&self, destination: &str) -> usize {
+        self.queue
+            .values()
+            .filter(|r| r.record.destination == destination)
+            .count()
+    }
+
+    /// When the soonest record is to be taken: its due instant, or later when a rate limit
+    /// deferred it.
     pub fn next_due(&self) -> Option<DateTime> {
-        self.queue.values().next().map(|r| r.record.due)
+        self.queue
+            .keys()
+            .next()
+            .map(|(ms, _)| DateTime::from_millis(*ms))
     }
 
     /// Takes every record due at or before `now`, soonest first.

@@ -23,6 +23,7 @@
 //! process exits non-zero.
 
 mod claim;
+mod control;
 mod held;
 mod settle;
 mod wave;
@@ -138,6 +139,9 @@ pub struct Dispatcher {
     removals: usize,
     settling: usize,
     failed: Option<String>,
+    /// The pauses and ramps last applied ([`control`]).
+    control: Arc<crate::control::Snapshot>,
+    limits: crate::ratelimit::RateLimits,
 }
 
 impl Dispatcher {
@@ -150,6 +154,7 @@ impl Dispatcher {
         wake: Arc<Notify>,
     ) -> Self {
         let poll = config.dispatch.poll_interval;
+        let limits = crate::ratelimit::RateLimits::new(&config.dispatch);
         Self {
             config,
             store,
@@ -175,6 +180,8 @@ impl Dispatcher {
             removals: 0,
             settling: 0,
             failed: None,
+            control: Arc::default(),
+            limits,
         }
     }
 
@@ -370,6 +377,9 @@ impl Dispatcher {
         }
         if stopping && !self.held.is_empty() {
             self.on_shutdown();
+        }
+        if !stopping {
+            self.apply_control();
         }
         self.start_settling();
         if stopping {

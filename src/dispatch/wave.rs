@@ -104,7 +104,8 @@ impl Dispatcher {
         let sent_at = SystemTime::now();
         let mut too_late = Vec::new();
         let mut messages: Vec<OutgoingMessage> = Vec::new();
-        for r in self.held.take_due(now) {
+        let due = self.held.take_due(now);
+        for r in self.hold_back(due, now) {
             if r.lease.before_publish(now, margin) != PrePublish::Publish {
                 too_late.push((r.id, r.lease));
                 continue;

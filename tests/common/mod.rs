@@ -9,6 +9,7 @@
 pub mod csharp;
 pub mod fleet;
 pub mod hostile;
+pub mod ops;
 pub mod proxy;
 
 use std::collections::BTreeMap;

@@ -1,0 +1,169 @@
+//! Pausing and resuming destinations on the command line (`pause`, `resume`, `paused`), and
+//! `stats` with the paused destinations' backlog. Each action is logged with who ran it and
+//! recorded in the control collection ([`crate::control`]).
+
+use std::time::Duration;
+
+use bson::{DateTime, doc};
+use clap::Args;
+
+use crate::control::Actor;
+use crate::listing::show_instant;
+use crate::ops::OpsError;
+use crate::opscli::{parse_destination, parse_instant};
+use crate::store::Store;
+
+/// `timeoutd pause`.
+#[derive(Debug, Args)]
+pub struct PauseArgs {
+    /// The queue whose timeouts are held back.
+    #[arg(value_parser = parse_destination)]
+    pub destination: String,
+    /// Resume by itself at this instant (RFC 3339).
+    #[arg(long, value_name = "INSTANT", value_parser = parse_instant)]
+    pub until: Option<DateTime>,
+    /// Why (shown by `paused`, recorded in the control collection).
+    #[arg(long)]
+    pub reason: Option<String>,
+}
+
+/// `timeoutd resume`.
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// The paused queue.
+    #[arg(value_parser = parse_destination)]
+    pub destination: String,
+    /// Raise its send rate from a trickle to unlimited over this time, e.g. 5m.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub ramp: Option<Duration>,
+    /// Why (recorded in the control collection).
+    #[arg(long)]
+    pub reason: Option<String>,
+}
+
+/// `timeoutd pause`.
+pub async fn pause(store: &Store, a: PauseArgs) -> anyhow::Result<()> {
+    let now = store.clock().now();
+    if a.until.is_some_and(|u| u <= now) {
+        return Err(OpsError::BadInput(format!(
+            "--until {} is not in the future",
+            a.until.and_then(show_instant).unwrap_or_default()
+        ))
+        .into());
+    }
+    let actor = Actor::current();
+    store
+        .bounded(
+            "pause",
+            store.pause(&a.destination, a.until, a.reason.as_deref(), &actor),
+        )
+        .await?;
+    let until = a.until.and_then(show_instant);
+    tracing::info!(target: "timeoutd::audit", action = "pause", destination = %a.destination, until = until.as_deref().unwrap_or("resumed"), host = %actor.host, user = %actor.user, reason = a.reason.as_deref().unwrap_or(""), "operator action");
+    let details = doc! { "destination": &a.destination, "until": until.clone() };
+    store
+        .bounded(
+            "record the action",
+            store.audit("pause", &actor, a.reason.as_deref(), details),
+        )
+        .await?;
+    println!(
+        "paused {} until {} (every instance stops claiming it within one poll interval)",
+        a.destination,
+        until.as_deref().unwrap_or("resumed")
+    );
+    Ok(())
+}
+
+/// `timeoutd resume`.
+pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
+    let actor = Actor::current();
+    let was = store
+        .bounded("resume", store.resume(&a.destination, a.ramp, &actor))
+        .await?;
+    let ramp = a.ramp.map(|r| humantime::format_duration(r).to_string());
+    if !was && a.ramp.is_none() {
+        return Err(OpsError::BadInput(format!("{} is not paused", a.destination)).into());
+    }
+    tracing::info!(target: "timeoutd::audit", action = "resume", destination = %a.destination, ramp = ramp.as_deref().unwrap_or("none"), was_paused = was, host = %actor.host, user = %actor.user, "operator action");
+    let details = doc! { "destination": &a.destination, "ramp": ramp.clone(), "was_paused": was };
+    store
+        .bounded(
+            "record the action",
+            store.audit("resume", &actor, a.reason.as_deref(), details),
+        )
+        .await?;
+    match ramp {
+        Some(r) => println!(
+            "resumed {}, its rate rising to unlimited over {r}",
+            a.destination
+        ),
+        None => println!("resumed {}", a.destination),
+    }
+    Ok(())
+}
+
+/// `timeoutd paused`.
+pub async fn paused(store: &Store, json: bool) -> anyhow::Result<()> {
+    let pauses = store.bounded("read pauses", store.pauses()).await?;
+    if json {
+        println!("{}", serde_json::to_string(&pauses)?);
+        return Ok(());
+    }
+    for p in &pauses {
+        println!(
+            "{}  since={}  until={}  by={}  reason={}",
+            p.destination,
+            crate::opscli::dash(&p.since),
+            p.until.as_deref().unwrap_or("resumed"),
+            p.by,
+            if p.reason.is_empty() { "-" } else { &p.reason }
+        );
+    }
+    println!("{} paused", pauses.len());
+    Ok(())
+}
+
+/// `timeoutd stats`: the counts, and each paused destination with its due and total records.
+pub async fn stats(store: &Store, json: bool) -> anyhow::Result<()> {
+    let stats = store.bounded("count", store.stats()).await?;
+    let paused = store
+        .bounded("count paused", store.paused_backlogs(true))
+        .await?;
+    if json {
+        let mut shown = serde_json::to_value(&stats)?;
+        let paused: Vec<serde_json::Value> = paused
+            .iter()
+            .map(|(p, due, all)| {
+                serde_json::json!({ "destination": p.destination, "due": due, "records": all, "since": p.since, "until": p.until })
+            })
+            .collect();
+        if let Some(o) = shown.as_object_mut() {
+            o.insert("paused_destinations".into(), paused.into());
+        }
+        println!("{shown}");
+        return Ok(());
+    }
+    println!("pending         {}", stats.pending);
+    println!("due             {}", stats.due);
+    println!("leased          {}", stats.leased);
+    println!("expired_leases  {}", stats.expired_leases);
+    println!("stuck_locks     {}", stats.stuck_locks);
+    println!("unschedulable   {}", stats.unschedulable);
+    match stats.oldest_due_age_seconds {
+        Some(age) => println!("oldest_due_age  {age:.3}s"),
+        None => println!("oldest_due_age  -"),
+    }
+    println!("retrying        {}", stats.retrying);
+    println!("parked          {}", stats.parked);
+    println!("paused          {}", paused.len());
+    for (p, due, all) in &paused {
+        println!(
+            "  {}  due={due}  records={}  until={}",
+            p.destination,
+            all.map_or("-".to_string(), |n| n.to_string()),
+            p.until.as_deref().unwrap_or("resumed")
+        );
+    }
+    Ok(())
+}

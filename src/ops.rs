@@ -1,0 +1,383 @@
+//! Operator actions on single records: `cancel` and `reschedule`.
+//!
+//! Both touch a record only while it is free, by the rules a claim uses
+//! ([`crate::lease::claimable`]: not locked, or locked with a lease that has run out), and
+//! put that rule into the write's own filter. A write and a claim's compare-and-swap are each
+//! atomic on the document, so one of them wins and the other matches nothing: a record an
+//! instance has claimed (to send it now, or to hold it until its instant within the
+//! look-ahead, or to retry it later) is under a live lease and is left as it is, and a record
+//! cancelled or moved first is never sent as it was. An instance whose lease ran out while it
+//! still held a record does not send it either: it checks the lease before each publish
+//! ([`crate::lease::Lease::before_publish`]).
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::listing::{Listed, describe, field_clauses, is_free, show_instant};
+use crate::record::field;
+use crate::store::{Store, StoreError};
+use crate::{due, lease};
+
+/// Most records one `cancel` or `reschedule` by correlation id acts on.
+pub const MAX_SELECTED: i64 = 10_000;
+
+/// Why an operator action did not (fully) happen.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The command names something that is not there, or asks for the impossible: exit 2.
+    #[error("{0}")]
+    BadInput(String),
+    /// Some records were under a live lease and were left as they were: exit 3.
+    #[error(
+        "{0} record(s) under a live lease were left as they are (being sent, or held for their instant by an instance); --skip-leased accepts that"
+    )]
+    LeftLeased(usize),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Which records an action applies to.
+#[derive(Debug, Clone)]
+pub enum Selector {
+    /// These ids (either GUID representation).
+    Ids(Vec<Uuid>),
+    /// Every record of one saga, optionally only those sent to one destination.
+    Saga {
+        correlation_id: Uuid,
+        destination: Option<String>,
+    },
+}
+
+impl Selector {
+    fn filter(&self) -> Document {
+        match self {
+            Selector::Ids(ids) => {
+                let forms: Vec<Bson> = ids
+                    .iter()
+                    .flat_map(|u| crate::guid::both_forms(*u))
+                    .collect();
+                doc! { field::ID: { "$in": forms } }
+            }
+            Selector::Saga {
+                correlation_id,
+                destination,
+            } => doc! { "$and": field_clauses(destination.as_deref(), Some(*correlation_id)) },
+        }
+    }
+}
+
+/// What happened to one record.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Outcome {
+    #[serde(flatten)]
+    pub record: Listed,
+    /// `cancelled`, `would_cancel`, `rescheduled`, `would_reschedule`, `left_leased`,
+    /// `gone` (fired or removed meanwhile) or `unreadable` (its `Time` cannot be moved).
+    pub outcome: &'static str,
+    /// For a reschedule: the new due instant (RFC 3339, UTC).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub new_due: Option<String>,
+}
+
+/// How `reschedule` moves `Time`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Move {
+    /// To this instant.
+    At(DateTime),
+    /// To now (server clock) plus this.
+    In(Duration),
+    /// By this many milliseconds from the record's own due instant (negative: earlier).
+    By(i64),
+}
+
+impl Store {
+    /// The records `selector` names, as stored. Unknown ids are bad input.
+    async fn select(&self, selector: &Selector) -> Result<Vec<Document>, OpsError> {
+        let docs: Vec<Document> = self
+            .query(async {
+                self.coll
+                    .find(selector.filter())
+                    .limit(MAX_SELECTED)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        match selector {
+            Selector::Ids(ids) => {
+                let found: Vec<Uuid> = docs
+                    .iter()
+                    .filter_map(|d| d.get(field::ID).and_then(crate::guid::from_bson))
+                    .collect();
+                let unknown: Vec<String> = ids
+                    .iter()
+                    .filter(|u| !found.contains(u))
+                    .map(|u| u.to_string())
+                    .collect();
+                if !unknown.is_empty() {
+                    return Err(OpsError::BadInput(format!(
+                        "no timeout record has id {} (already fired, cancelled, or parked: see `timeoutd list --state parked`); nothing was changed",
+                        unknown.join(", ")
+                    )));
+                }
+            }
+            Selector::Saga { correlation_id, .. } if docs.is_empty() => {
+                return Err(OpsError::BadInput(format!(
+                    "no timeout record has correlation id {correlation_id} (with that destination); nothing was changed"
+                )));
+            }
+            Selector::Saga { correlation_id, .. } => {
+                if docs.len() as i64 >= MAX_SELECTED {
+                    tracing::warn!(%correlation_id, records = docs.len(), "this saga has more records than one run acts on: run the command again for the rest");
+                }
+            }
+        }
+        Ok(docs)
+    }
+
+    /// Deletes the records `selector` names that are free; leaves (and reports) those under
+    /// a live lease. With `dry_run`, only reports.
+    pub async fn cancel(
+        &self,
+        selector: &Selector,
+        dry_run: bool,
+    ) -> Result<Vec<Outcome>, OpsError> {
+        let docs = self.select(selector).await?;
+        let now = self.clock.now();
+        let (free, held): (Vec<Document>, Vec<Document>) =
+            docs.into_iter().partition(|d| is_free(d, now));
+        let mut outcomes: Vec<Outcome> = held
+            .iter()
+            .map(|d| outcome(self, d, now, "left_leased", None))
+            .collect();
+        let ids: Vec<Bson> = free
+            .iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect();
+        if dry_run || ids.is_empty() {
+            outcomes.extend(
+                free.iter()
+                    .map(|d| outcome(self, d, now, "would_cancel", None)),
+            );
+            return Ok(outcomes);
+        }
+        // The claim's own rule in the delete's filter: a record claimed since it was read
+        // no longer matches.
+        let filter = lease::all_of([doc! { field::ID: { "$in": &ids } }, lease::claimable(now)]);
+        let deleted = self.query(self.coll.delete_many(filter)).await?;
+        let still_there = if deleted.deleted_count < ids.len() as u64 {
+            self.query(self.existing_raw(&ids)).await?
+        } else {
+            Vec::new()
+        };
+        for d in &free {
+            let id = d.get(field::ID);
+            let left = still_there.iter().find(|s| s.get(field::ID) == id);
+            outcomes.push(match left {
+                Some(now_held) => outcome(self, now_held, now, "left_leased", None),
+                None => outcome(self, d, now, "cancelled", None),
+            });
+        }
+        Ok(outcomes)
+    }
+
+    /// Moves the `Time` of the records `selector` names that are free, written in each
+    /// record's own encoding; leaves (and reports) those under a live lease.
+    pub async fn reschedule(
+        &self,
+        selector: &Selector,
+        to: Move,
+        dry_run: bool,
+    ) -> Result<Vec<Outcome>, OpsError> {
+        let docs = self.select(selector).await?;
+        let now = self.clock.now();
+        // Every new instant is checked before anything is written.
+        let mut planned = Vec::with_capacity(docs.len());
+        for d in &docs {
+            planned.push(plan(self, d, to, now)?);
+        }
+        let mut outcomes = Vec::new();
+        for (d, plan) in docs.iter().zip(planned) {
+            if !is_free(d, now) {
+                outcomes.push(outcome(self, d, now, "left_leased", None));
+                continue;
+            }
+            let Some((old, new_time, new_due)) = plan else {
+                outcomes.push(outcome(self, d, now, "unreadable", None));
+                continue;
+            };
+            let shown = show_instant(new_due);
+            if dry_run {
+                outcomes.push(outcome(self, d, now, "would_reschedule", shown));
+                continue;
+            }
+            let Some(id) = d.get(field::ID).cloned() else {
+                continue;
+            };
+            // The record as read, still free: a claim or another reschedule since then makes
+            // this match nothing.
+            let filter = lease::all_of([
+                doc! { field::ID: id.clone(), field::TIME: old },
+                lease::claimable(now),
+            ]);
+            let moved = self
+                .query(
+                    self.coll
+                        .update_one(filter, doc! { "$set": { field::TIME: new_time } }),
+                )
+                .await?;
+            if moved.matched_count == 1 {
+                outcomes.push(outcome(self, d, now, "rescheduled", shown));
+                continue;
+            }
+            let current = self
+                .query(self.coll.find_one(doc! { field::ID: id }))
+                .await?;
+            outcomes.push(match current {
+                Some(c) => outcome(self, &c, now, "left_leased", None),
+                None => outcome(self, d, now, "gone", None),
+            });
+        }
+        Ok(outcomes)
+    }
+
+    /// Of `ids`, the documents still in the collection.
+    async fn existing_raw(&self, ids: &[Bson]) -> Result<Vec<Document>, mongodb::error::Error> {
+        self.coll
+            .find(doc! { field::ID: { "$in": ids } })
+            .await?
+            .try_collect()
+            .await
+    }
+}
+
+/// The stored `Time`, the new one and its instant, for a record whose `Time` decodes; an
+/// error when the new instant is out of range.
+fn plan(
+    store: &Store,
+    d: &Document,
+    to: Move,
+    now: DateTime,
+) -> Result<Option<(Bson, Bson, DateTime)>, OpsError> {
+    let old = d.get(field::TIME).cloned().unwrap_or(Bson::Null);
+    let Some(old_due) = crate::record::TimeoutRecord::decode_due(d, store.encoding) else {
+        return Ok(None);
+    };
+    let new_due = match to {
+        Move::At(t) => t,
+        Move::In(d) => lease::add(now, d),
+        Move::By(ms) => DateTime::from_millis(old_due.timestamp_millis().saturating_add(ms)),
+    };
+    let new_time = same_shape(&old, new_due).ok_or_else(|| {
+        OpsError::BadInput(format!(
+            "the new due instant {} is outside .NET's range (years 1 to 9999); nothing was changed",
+            show_instant(new_due).unwrap_or_else(|| new_due.timestamp_millis().to_string())
+        ))
+    })?;
+    Ok(Some((old, new_time, new_due)))
+}
+
+fn outcome(
+    store: &Store,
+    d: &Document,
+    now: DateTime,
+    what: &'static str,
+    new_due: Option<String>,
+) -> Outcome {
+    Outcome {
+        record: describe(store, d, now, false),
+        outcome: what,
+        new_due,
+    }
+}
+
+/// `due` as a `Time` of the same shape as `old`: a BSON date stays a date; `[ticks, offset]`
+/// keeps its offset (the ticks are the clock time there) and its element types. `None` when
+/// `due` is outside .NET's range, or `old` is of no shape timeoutd reads.
+pub fn same_shape(old: &Bson, due: DateTime) -> Option<Bson> {
+    let ms = due.timestamp_millis();
+    if !(due::MIN_DATE_MS..=due::MAX_DATE_MS).contains(&ms) {
+        return None;
+    }
+    match old {
+        Bson::DateTime(_) => Some(Bson::DateTime(due)),
+        Bson::Array(parts) if parts.len() == 2 => {
+            let offset = match parts.get(1) {
+                Some(Bson::Int32(o)) => i64::from(*o),
+                Some(Bson::Int64(o)) => *o,
+                _ => return None,
+            };
+            if offset.abs() > due::MAX_OFFSET_MINUTES {
+                return None;
+            }
+            let clock = crate::record::ms_to_ticks(ms)
+                .checked_add(offset.checked_mul(due::TICKS_PER_MINUTE)?)?;
+            if !(0..=due::MAX_TICKS).contains(&clock) {
+                return None;
+            }
+            let ticks = match parts.first() {
+                Some(Bson::Int32(_)) => Bson::Int32(i32::try_from(clock).ok()?),
+                Some(Bson::Int64(_)) => Bson::Int64(clock),
+                _ => return None,
+            };
+            Some(Bson::Array(vec![ticks, parts.get(1)?.clone()]))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TimeEncoding;
+
+    const NEW_YEAR_MS: i64 = 1_767_225_600_000;
+    const NEW_YEAR_TICKS: i64 = 639_028_224_000_000_000;
+
+    #[test]
+    fn a_moved_time_keeps_its_shape_and_offset() {
+        let due = DateTime::from_millis(NEW_YEAR_MS);
+        let date = Bson::DateTime(DateTime::from_millis(1));
+        assert_eq!(same_shape(&date, due), Some(Bson::DateTime(due)));
+        for offset in [-300_i32, 0, 60, 840] {
+            let old = Bson::Array(vec![Bson::Int64(5), Bson::Int32(offset)]);
+            let new = same_shape(&old, due).unwrap();
+            let clock = NEW_YEAR_TICKS + i64::from(offset) * due::TICKS_PER_MINUTE;
+            assert_eq!(
+                new,
+                Bson::Array(vec![Bson::Int64(clock), Bson::Int32(offset)])
+            );
+            assert_eq!(due::decode(Some(&new), TimeEncoding::Auto), Ok(due));
+        }
+        let long_offset = Bson::Array(vec![Bson::Int64(5), Bson::Int64(60)]);
+        assert!(matches!(
+            same_shape(&long_offset, due),
+            Some(Bson::Array(a)) if a[1] == Bson::Int64(60)
+        ));
+    }
+
+    #[test]
+    fn nothing_outside_dotnet_range_or_of_an_unknown_shape() {
+        let old = Bson::Array(vec![Bson::Int64(5), Bson::Int32(0)]);
+        assert_eq!(same_shape(&old, DateTime::from_millis(i64::MAX)), None);
+        assert_eq!(
+            same_shape(&old, DateTime::from_millis(due::MIN_DATE_MS - 1)),
+            None
+        );
+        let due = DateTime::from_millis(NEW_YEAR_MS);
+        for bad in [
+            Bson::String("x".into()),
+            Bson::Array(vec![Bson::Int64(5)]),
+            Bson::Array(vec![Bson::Int64(5), Bson::Int32(5000)]),
+            Bson::Array(vec![Bson::Double(5.0), Bson::Int32(0)]),
+            // Ticks stored as Int32 cannot hold a real instant.
+            Bson::Array(vec![Bson::Int32(5), Bson::Int32(0)]),
+        ] {
+            assert_eq!(same_shape(&bad, due), None, "{bad:?}");
+        }
+    }
+}

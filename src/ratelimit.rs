@@ -1,0 +1,205 @@
+//! Send-rate limits, applied per instance at the moment a record would be published:
+//! `[dispatch] max_rate` for all of the instance's sends, `[[dispatch.destination]] name,
+//! max_rate` for one queue, and the ramp of `timeoutd resume DESTINATION --ramp DURATION`,
+//! which raises a queue's rate from a trickle ([`TRICKLE`] per second) to its limit (or to
+//! [`RAMP_CEILING`] when it has none) exponentially, and lifts it at the end.
+//!
+//! Token buckets: a limit of `r` per second refills `r` tokens a second and holds at most
+//! `max(1, r / 10)`, so that over any span `t` no more than `r x t + r / 10` records go out.
+//! A record that finds no token waits in the dispatch loop (still under its lease, its
+//! lateness still measured from its due instant) until one comes. Limits are per instance:
+//! `n` instances sending to one queue can together send `n` times its limit.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::config::DispatchConfig;
+use crate::control::Ramp;
+
+/// Records per second at the start of a resume ramp.
+pub const TRICKLE: f64 = 1.0;
+/// Records per second at the end of a ramp for a queue without a limit of its own.
+pub const RAMP_CEILING: f64 = 1_000.0;
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn refill(&mut self, rate: f64, now: Instant) {
+        let capacity = (rate / 10.0).max(1.0);
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * rate).min(capacity);
+        self.at = now;
+    }
+
+    /// How long until a token is there at `rate`.
+    fn wait(&self, rate: f64) -> Duration {
+        if self.tokens >= 1.0 || rate <= 0.0 {
+            return Duration::ZERO;
+        }
+        Duration::from_secs_f64(((1.0 - self.tokens) / rate).min(3600.0))
+    }
+}
+
+/// The buckets of one instance.
+#[derive(Debug)]
+pub struct RateLimits {
+    instance: Option<f64>,
+    per_destination: HashMap<String, f64>,
+    buckets: HashMap<Option<String>, Bucket>,
+}
+
+impl RateLimits {
+    pub fn new(config: &DispatchConfig) -> Self {
+        Self {
+            instance: config.max_rate,
+            per_destination: config
+                .destination
+                .iter()
+                .map(|d| (d.name.clone(), d.max_rate))
+                .collect(),
+            buckets: HashMap::new(),
+        }
+    }
+
+    /// The limit on `destination` now: its own, lowered by a ramp in progress (`now_ms` on
+    /// the server clock). `None`: unlimited.
+    pub fn destination_rate(
+        &self,
+        destination: &str,
+        ramp: Option<&Ramp>,
+        now_ms: i64,
+    ) -> Option<f64> {
+        let own = self.per_destination.get(destination).copied();
+        let Some(ramp) = ramp.filter(|r| now_ms < r.until) else {
+            return own;
+        };
+        let ceiling = own.unwrap_or(RAMP_CEILING).max(TRICKLE);
+        let span = (ramp.until - ramp.from).max(1) as f64;
+        let done = ((now_ms - ramp.from) as f64 / span).clamp(0.0, 1.0);
+        Some(TRICKLE * (ceiling / TRICKLE).powf(done))
+    }
+
+    /// Whether any limit applies at all.
+    pub fn any(&self, ramps: bool) -> bool {
+        ramps || self.instance.is_some() || !self.per_destination.is_empty()
+    }
+
+    /// Takes a token for one send to `destination` at `rate` (and one of the instance's), or
+    /// says how long to wait for them.
+    pub fn take(
+        &mut self,
+        destination: &str,
+        rate: Option<f64>,
+        now: Instant,
+    ) -> Result<(), Duration> {
+        let mut wait = Duration::ZERO;
+        let limits = [(None, self.instance), (Some(destination.to_string()), rate)];
+        for (key, rate) in &limits {
+            if let Some(rate) = rate {
+                let b = self.buckets.entry(key.clone()).or_insert(Bucket {
+                    tokens: 1.0,
+                    at: now,
+                });
+                b.refill(*rate, now);
+                wait = wait.max(b.wait(*rate));
+            }
+        }
+        if !wait.is_zero() {
+            return Err(wait);
+        }
+        for (key, rate) in limits {
+            if rate.is_some()
+                && let Some(b) = self.buckets.get_mut(&key)
+            {
+                b.tokens -= 1.0;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DestinationLimit;
+
+    fn limits(instance: Option<f64>, dest: &[(&str, f64)]) -> RateLimits {
+        let config = DispatchConfig {
+            max_rate: instance,
+            destination: dest
+                .iter()
+                .map(|(n, r)| DestinationLimit {
+                    name: n.to_string(),
+                    max_rate: *r,
+                })
+                .collect(),
+            ..DispatchConfig::default()
+        };
+        RateLimits::new(&config)
+    }
+
+    /// Sends over `secs` seconds of simulated time, trying every millisecond.
+    fn sent_over(l: &mut RateLimits, dest: &str, secs: u64) -> usize {
+        let start = Instant::now();
+        let rate = l.destination_rate(dest, None, 0);
+        let mut sent = 0;
+        for ms in 0..secs * 1000 {
+            while l
+                .take(dest, rate, start + Duration::from_millis(ms))
+                .is_ok()
+            {
+                sent += 1;
+            }
+        }
+        sent
+    }
+
+    #[test]
+    fn a_destination_limit_holds_and_others_run_free() {
+        let mut l = limits(None, &[("slow", 50.0)]);
+        let sent = sent_over(&mut l, "slow", 10);
+        assert!((495..=506).contains(&sent), "{sent}");
+        assert_eq!(l.destination_rate("fast", None, 0), None);
+        assert!(l.take("fast", None, Instant::now()).is_ok());
+    }
+
+    #[test]
+    fn the_instance_limit_covers_every_destination() {
+        let mut l = limits(Some(100.0), &[]);
+        let start = Instant::now();
+        let mut sent = 0;
+        for ms in 0..10_000 {
+            let dest = if ms % 2 == 0 { "a" } else { "b" };
+            while l
+                .take(dest, None, start + Duration::from_millis(ms))
+                .is_ok()
+            {
+                sent += 1;
+            }
+        }
+        assert!((995..=1_011).contains(&sent), "{sent}");
+    }
+
+    #[test]
+    fn a_ramp_rises_from_a_trickle_to_the_limit_then_lifts() {
+        let l = limits(None, &[("capped", 200.0)]);
+        let ramp = Ramp {
+            from: 0,
+            until: 10_000,
+        };
+        assert_eq!(l.destination_rate("q", Some(&ramp), 0), Some(TRICKLE));
+        let mid = l.destination_rate("q", Some(&ramp), 5_000).unwrap();
+        assert!((mid - (RAMP_CEILING).sqrt()).abs() < 0.01, "{mid}");
+        assert_eq!(l.destination_rate("q", Some(&ramp), 10_000), None);
+        let near_end = l.destination_rate("capped", Some(&ramp), 9_999).unwrap();
+        assert!(near_end <= 200.0 && near_end > 190.0, "{near_end}");
+        assert_eq!(
+            l.destination_rate("capped", Some(&ramp), 10_000),
+            Some(200.0)
+        );
+    }
+}
