@@ -18,6 +18,7 @@ pub(crate) async fn scenario_timeoutd_drain(
     let (expected, insert_s) = insert_records(scen, n, true, due_in_past(n)).await?;
     let expected = Arc::new(expected);
     let counter = live_counter(ctx, &scen.queue, &expected).await?;
+    let cpu = CpuUse::start(ctx.mongo_pid);
     let started = Instant::now();
     let started_us = now_us();
     let mut daemons = Vec::new();
@@ -29,6 +30,8 @@ pub(crate) async fn scenario_timeoutd_drain(
     })
     .await;
     let seconds = started.elapsed().as_secs_f64();
+    let pids: Vec<u32> = daemons.iter().map(|d| d.pid).collect();
+    let cpu = cpu.finish(seconds, &pids);
     // Read before SIGTERM: the peak of the drain, and the daemons' own counters.
     let rss: Vec<f64> = daemons.iter().filter_map(Daemon::peak_rss_mib).collect();
     let mut texts = Vec::new();
@@ -76,6 +79,7 @@ pub(crate) async fn scenario_timeoutd_drain(
             "steady_records_per_s": ctx.live.then(|| steady_rate(&received, n)).flatten(),
             "unexpected_deliveries": received.unexpected,
             "peak_rss_mib_per_instance": rss,
+            "cpu": cpu,
             "daemon_metrics": daemon_metrics(&texts, seconds, n),
             "stop": stops,
         }),

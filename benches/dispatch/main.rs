@@ -238,6 +238,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
         live,
         effective_config: std::sync::Mutex::new(None),
         shape: Shape::from_env()?,
+        mongo_pid: started_mongo.map(|s| s.child.id()),
     };
     let run_started = Instant::now();
     let load_before = loadavg();

@@ -343,6 +343,23 @@ pub(crate) fn print_breakdown(rows: &[Row]) {
             f("delete_ms_per_record"),
         );
     }
+    for r in rows.iter().filter(|r| r.error.is_none()) {
+        let Some(c) = r.details.get("cpu") else {
+            continue;
+        };
+        let cores = |k: &str| c.get(k).and_then(Value::as_f64);
+        let timeoutd: f64 = c
+            .get("timeoutd_cores")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_f64).sum())
+            .unwrap_or(f64::NAN);
+        println!(
+            "  {:<12} cpu: machine {}% busy, MongoDB {} cores, timeoutd {timeoutd:.2} cores in all",
+            r.scenario,
+            fmt_opt(cores("machine_busy_fraction").map(|f| f * 100.0), 0),
+            fmt_opt(cores("mongodb_cores"), 2),
+        );
+    }
     if any {
         println!();
     }

@@ -22,6 +22,8 @@ pub(crate) struct Ctx {
     pub(crate) effective_config: std::sync::Mutex<Option<String>>,
     /// The shape of every scenario's collection (`TIMEOUTD_BENCH_SHAPE`).
     pub(crate) shape: Shape,
+    /// The MongoDB server's process, when the bench started it (for its CPU time).
+    pub(crate) mongo_pid: Option<u32>,
 }
 
 impl Ctx {

@@ -344,3 +344,73 @@ pub(crate) fn daemon_metrics(texts: &[String], wall_s: f64, records: u64) -> Val
         },
     })
 }
+
+/// CPU time of one process so far, in seconds (`utime + stime` of `/proc/PID/stat`).
+pub(crate) fn process_cpu_s(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks > 0.0).then(|| (utime + stime) / ticks)
+}
+
+/// Busy and total jiffies of the whole machine (`/proc/stat`).
+fn machine_jiffies() -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?;
+    let v: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: f64 = v.iter().sum();
+    // idle and iowait.
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0.0);
+    Some((total - idle, total))
+}
+
+/// Which resource a drain saturates: the machine's CPU, the database server's, timeoutd's.
+pub(crate) struct CpuUse {
+    mongo_pid: Option<u32>,
+    mongo_before: Option<f64>,
+    machine_before: Option<(f64, f64)>,
+}
+
+impl CpuUse {
+    pub(crate) fn start(mongo_pid: Option<u32>) -> Self {
+        Self {
+            mongo_pid,
+            mongo_before: mongo_pid.and_then(process_cpu_s),
+            machine_before: machine_jiffies(),
+        }
+    }
+
+    /// Cores used on average over `wall_s`: the machine's busy share, MongoDB (when the
+    /// bench started it) and each timeoutd process (its whole life, which is the drain).
+    pub(crate) fn finish(self, wall_s: f64, timeoutd_pids: &[u32]) -> Value {
+        let cores = |s: f64| s / wall_s.max(f64::MIN_POSITIVE);
+        let machine = self
+            .machine_before
+            .zip(machine_jiffies())
+            .map(|((b0, t0), (b1, t1))| (b1 - b0) / (t1 - t0).max(1.0));
+        let mongo = self
+            .mongo_pid
+            .and_then(process_cpu_s)
+            .zip(self.mongo_before)
+            .map(|(after, before)| cores(after - before));
+        let timeoutd: Vec<f64> = timeoutd_pids
+            .iter()
+            .filter_map(|p| process_cpu_s(*p).map(cores))
+            .collect();
+        json!({
+            "machine_busy_fraction": machine,
+            "machine_cores": std::thread::available_parallelism().map(|n| n.get()).ok(),
+            "mongodb_cores": mongo,
+            "timeoutd_cores": timeoutd,
+        })
+    }
+}
