@@ -1,10 +1,14 @@
-//! `cargo bench --bench dispatch`: the dispatch benchmark of issue 5.
+//! `cargo bench --bench dispatch`: the dispatch benchmark of issues 5 and 13.
 //!
-//! Scenarios, each in its own MongoDB database and its own RabbitMQ queue, removed afterwards:
+//! Scenarios, each in its own MongoDB database and its own RabbitMQ queue, removed afterwards,
+//! on a collection of the shape `TIMEOUTD_BENCH_SHAPE` names (`shape.rs`):
 //!
 //! - `raw`: the broker's limit in this run: persistent publishes with confirms, pipelined
 //!   (a sliding window of unconfirmed publishes, one channel), of messages shaped exactly like
 //!   timeoutd's, to one durable queue;
+//! - `floors` (rows `floor-write`, `floor-read`): the database's own limits for the lease
+//!   protocol's writes and its bounded read (`floors.rs`); timeoutd's rates are given as
+//!   ratios to the write floor;
 //! - `baseline`: ServiceConnect v7's algorithm, in this process: the v7 claim (candidates,
 //!   compare-and-swap `updateMany`, read back by owner), then per record one publish with its
 //!   confirm awaited and one owner-guarded `deleteOne`;
@@ -31,8 +35,11 @@
 //! - `TIMEOUTD_BENCH_SCALE`: multiplies every record count and the lateness window
 //!   (1 = the issue's sizes, 0.1 for a quick run);
 //! - `TIMEOUTD_BENCH_OUT`: where the JSON goes (default `target/bench/dispatch.json`);
-//! - `TIMEOUTD_BENCH_ONLY`: comma-separated scenario keys (`raw,baseline,timeoutd-1,
+//! - `TIMEOUTD_BENCH_ONLY`: comma-separated scenario keys (`raw,floors,baseline,timeoutd-1,
 //!   timeoutd-3,lateness-timeoutd,lateness-baseline,claim,claim-paused,rss`), default all;
+//! - `TIMEOUTD_BENCH_SHAPE`: `v7` (default: the lease-era schema with ServiceConnect v7's
+//!   three indexes, created before every scenario) or `public` (what the public releases
+//!   write: date `Time`, C#-legacy GUIDs, no lease fields, no index but `_id`);
 //! - `TIMEOUTD_BENCH_BIN`: the `timeoutd` executable (default: the one cargo built with this
 //!   bench);
 //! - `TIMEOUTD_BENCH_RAW_WINDOW`: unconfirmed publishes in flight for `raw` (default 1000);
