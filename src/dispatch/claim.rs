@@ -43,7 +43,7 @@ impl Dispatcher {
         self.link_up
             && !self.claims.is_running()
             && self.held.len() < cap
-            && (self.wave_started.is_none() || self.wave_proven)
+            && (self.wave_alive.is_none() || self.wave_proven)
             && !self.rate_saturated()
     }
 

@@ -5,10 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bson::Bson;
-
 use super::{Dispatcher, Ready};
-use crate::lease::Lease;
 use crate::metrics as m;
 
 impl Dispatcher {
@@ -21,12 +18,9 @@ impl Dispatcher {
         }
         self.control = latest;
         let paused = self.control.paused.clone();
-        let held: Vec<(Bson, Lease)> = self
+        let held = self
             .held
-            .take_matching(|r| paused.contains(&r.record.destination))
-            .into_iter()
-            .map(|r| (r.id, r.lease))
-            .collect();
+            .take_matching(|r| paused.contains(&r.record.destination));
         if !held.is_empty() {
             tracing::info!(
                 records = held.len(),
@@ -34,7 +28,7 @@ impl Dispatcher {
             );
             m::held_back("paused", held.len());
             m::skipped("paused", held.len());
-            self.release(held, "paused");
+            self.release_records(held, "paused");
         }
         m::paused_destinations(paused.len());
     }

@@ -130,9 +130,8 @@ pub struct Dispatcher {
     settle_queue: VecDeque<Settle>,
     tasks: JoinSet<Done>,
     link_task: Option<tokio::task::Id>,
-    /// When the wave in flight started publishing.
-    wave_started: Option<Instant>,
-    /// Cancelled by the wave in flight at its first answer from the broker.
+    /// Some while a wave is publishing; cancelled by that wave at its first answer from the
+    /// broker.
     wave_alive: Option<CancellationToken>,
     /// The wave in flight has had an answer: the next claim may run beside it.
     wave_proven: bool,
@@ -174,7 +173,6 @@ impl Dispatcher {
             settle_queue: VecDeque::new(),
             tasks: JoinSet::new(),
             link_task: None,
-            wave_started: None,
             wave_alive: None,
             wave_proven: false,
             removals: 0,
@@ -319,26 +317,20 @@ impl Dispatcher {
 
     /// The wave in flight ended, whatever its outcome.
     fn end_wave(&mut self) {
-        self.wave_started = None;
         self.wave_alive = None;
         self.wave_proven = false;
     }
 
     /// Shutdown: no new claims; what is held and not sent is released at once.
     fn on_shutdown(&mut self) {
-        let held: Vec<(Bson, crate::lease::Lease)> = self
-            .held
-            .take_all()
-            .into_iter()
-            .map(|r| (r.id, r.lease))
-            .collect();
+        let held = self.held.take_all();
         if !held.is_empty() {
             tracing::info!(
                 records = held.len(),
                 "shutdown: releasing claimed records not yet sent"
             );
         }
-        self.release(held, "shutdown");
+        self.release_records(held, "shutdown");
     }
 
     /// A background task panicked or was cancelled.
@@ -351,8 +343,8 @@ impl Dispatcher {
             self.end_wave();
             let n = self.in_flight.len();
             m::lease_lost(n);
-            let held = self.in_flight.drain(..).map(|r| (r.id, r.lease)).collect();
-            self.release(held, "publish_failed");
+            let in_flight = std::mem::take(&mut self.in_flight);
+            self.release_records(in_flight, "publish_failed");
             match Publisher::new(&self.config.rabbitmq) {
                 Ok(p) => self.publisher = Some(p),
                 Err(err) => {
@@ -440,6 +432,12 @@ impl Dispatcher {
     }
 
     /// Queues releases ahead of other settling: a released record is one a peer can send.
+    /// [`Dispatcher::release`] of records this instance holds.
+    pub(super) fn release_records(&mut self, records: Vec<Ready>, reason: &'static str) {
+        let held = records.into_iter().map(|r| (r.id, r.lease)).collect();
+        self.release(held, reason);
+    }
+
     pub(super) fn release(&mut self, held: Vec<(Bson, crate::lease::Lease)>, reason: &'static str) {
         for work in Settle::releases(held, reason).into_iter().rev() {
             self.settle_queue.push_front(work);

@@ -144,7 +144,6 @@ impl Dispatcher {
         };
         let stop_waiting = self.confirm_deadline();
         tracing::debug!(records = messages.len(), "publishing a wave");
-        self.wave_started = Some(Instant::now());
         let alive = CancellationToken::new();
         self.wave_alive = Some(alive.clone());
         let handle = self.tasks.spawn(async move {
