@@ -271,7 +271,9 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
 async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
     let parking = store.parking();
     loop {
-        let counts = async { tokio::try_join!(store.backlog(), parking.count()) };
+        let counts = Store::timed("backlog", async {
+            tokio::try_join!(store.backlog(), parking.count())
+        });
         match store.bounded("read the backlog", counts).await {
             Ok(((due, oldest), parked)) => {
                 m::backlog(due, oldest);
@@ -280,7 +282,10 @@ async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken)
             Err(e) => tracing::debug!(error = %e, "backlog query failed"),
         }
         match store
-            .bounded("read the paused backlog", store.paused_backlogs(false))
+            .bounded(
+                "read the paused backlog",
+                Store::timed("backlog", store.paused_backlogs(false)),
+            )
             .await
         {
             Ok(paused) => m::paused_backlog(paused.iter().map(|(_, due, _)| due).sum()),

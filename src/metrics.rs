@@ -42,8 +42,23 @@ pub const HELD_BACK_REASONS: &[&str] = &["paused", "rate_limit"];
 pub const PUBLISH_FAILURE_REASONS: &[&str] = &["returned", "nacked", "timeout", "connection"];
 /// `timeoutd_dependency_up{dependency}`.
 pub const DEPENDENCIES: &[&str] = &[MONGODB, RABBITMQ];
-/// `timeoutd_mongodb_call_seconds{call}`: the dispatch path's calls, one per lease step.
-pub const MONGODB_CALLS: &[&str] = &["find", "claim", "read_back", "remove", "release"];
+/// `timeoutd_mongodb_call_seconds{call}`: the dispatch path's calls, one per lease step, then
+/// the background ones (the monitor's backlog gauges, the census, the reaper's pass and the
+/// `Time` shape probe).
+pub const MONGODB_CALLS: &[&str] = &[
+    "find",
+    "claim",
+    "read_back",
+    "remove",
+    "release",
+    "backlog",
+    "census",
+    "reap",
+    "shapes",
+];
+/// The background entries of [`MONGODB_CALLS`]: what the database spends on timeoutd besides
+/// the lease protocol's own calls.
+pub const BACKGROUND_CALLS: &[&str] = &["backlog", "census", "reap", "shapes"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &[
     "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control",
@@ -213,7 +228,7 @@ pub const SERIES: &[Series] = &[
             "timeoutd_mongodb_call_seconds",
             Histogram,
             Some(Unit::Seconds),
-            "Duration of each MongoDB call on the dispatch path, by lease step: find (the candidate read), claim (the compare-and-swap updateMany), read_back, remove (the guarded deleteMany) and release.",
+            "Duration of each MongoDB call, by lease step: find (the candidate read), claim (the compare-and-swap updateMany), read_back, remove (the guarded deleteMany) and release; and in the background: backlog (the monitor's gauges), census, reap (the reaper's pass) and shapes (learning and probing the Time shapes).",
         ),
         "call",
         MONGODB_CALLS,

@@ -39,7 +39,10 @@ pub async fn pass(store: &Store) {
     if fail::eval("reaper-panic", |_| ()).is_some() {
         panic!("failpoint reaper-panic");
     }
-    match store.bounded("reap", store.reap()).await {
+    match store
+        .bounded("reap", Store::timed("reap", store.reap()))
+        .await
+    {
         Ok(0) => {}
         Ok(n) => {
             m::reaped(n);
@@ -48,7 +51,10 @@ pub async fn pass(store: &Store) {
         Err(e) => tracing::warn!(error = %e, "reaper pass failed; trying again next interval"),
     }
     match store
-        .bounded("free stuck locks", store.free_stuck(store.lock_lease()))
+        .bounded(
+            "free stuck locks",
+            Store::timed("reap", store.free_stuck(store.lock_lease())),
+        )
         .await
     {
         Ok(0) => {}
@@ -66,7 +72,10 @@ pub async fn pass(store: &Store) {
 }
 
 async fn take_census(store: &Store) {
-    match store.bounded("take the census", store.census()).await {
+    match store
+        .bounded("take the census", Store::timed("census", store.census()))
+        .await
+    {
         Ok(c) => {
             m::census(c.unschedulable, c.stuck_locks);
             tracing::debug!(

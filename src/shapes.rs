@@ -98,7 +98,7 @@ impl ShapeCache {
             )
         };
         if learned_at.is_none_or(|t| t.elapsed() >= FULL_REFRESH)
-            || probe_finds_new(store, &shapes, seen).await?
+            || Store::timed("shapes", probe_finds_new(store, &shapes, seen)).await?
         {
             self.learn(store).await?;
         } else {
@@ -111,7 +111,7 @@ impl ShapeCache {
 
     /// Reads the shapes present from the collection and keeps them.
     pub async fn learn(&self, store: &Store) -> Result<Vec<Shape>, StoreError> {
-        let learned = read_shapes(store).await;
+        let learned = Store::timed("shapes", read_shapes(store)).await;
         let mut s = self.lock();
         s.refreshing = false;
         if let Ok((shapes, seen)) = &learned {

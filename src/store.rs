@@ -215,7 +215,7 @@ impl Store {
             .await
     }
 
-    /// Awaits one MongoDB call of the dispatch path and records its duration in
+    /// Awaits one MongoDB call (or a background task's set of calls) and records its duration in
     /// `timeoutd_mongodb_call_seconds{call}`, whatever its outcome.
     pub(crate) async fn timed<T>(
         call: &'static str,

@@ -299,10 +299,10 @@ pub(crate) fn print_breakdown(rows: &[Row]) {
         }
         if !any {
             println!(
-                "ms per record, from the daemons' metrics (instances' time summed; rest = idle, or overlap when negative):"
+                "ms per record, from the daemons' metrics (instances' time summed; rest = idle, or overlap when negative; bg = background calls beside these, not in the sum):"
             );
             println!(
-                "  {:<12} {:>7} {:>7} {:>9} {:>7} {:>7} {:>9} {:>7} {:>7}",
+                "  {:<12} {:>7} {:>7} {:>9} {:>7} {:>7} {:>9} {:>7} {:>7} {:>7}",
                 "scenario",
                 "find",
                 "claim",
@@ -311,13 +311,14 @@ pub(crate) fn print_breakdown(rows: &[Row]) {
                 "release",
                 "pub+conf",
                 "rest",
-                "wall"
+                "wall",
+                "bg"
             );
             any = true;
         }
         let f = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
         println!(
-            "  {:<12} {:>7.4} {:>7.4} {:>9.4} {:>7.4} {:>7.4} {:>9.4} {:>7.4} {:>7.4}",
+            "  {:<12} {:>7.4} {:>7.4} {:>9.4} {:>7.4} {:>7.4} {:>9.4} {:>7.4} {:>7.4} {:>7.4}",
             r.scenario,
             f("find"),
             f("claim"),
@@ -327,6 +328,7 @@ pub(crate) fn print_breakdown(rows: &[Row]) {
             f("publish_confirm"),
             f("rest"),
             f("wall"),
+            f("background"),
         );
     }
     for r in rows

@@ -275,7 +275,8 @@ pub(crate) fn bucket_quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
 /// instances: the time each step's calls took, divided by the records, and the rest of the
 /// instances' wall time. Steps overlap (removals run beside claims and waves), so the rest is
 /// idle when positive and the overlap when negative; the parts add up to the wall time per
-/// record either way.
+/// record either way. `background` (the monitor, census, reaper and shape probe, which run
+/// beside the dispatch path) is given apart from that sum.
 pub(crate) fn breakdown(texts: &[String], wall_s: f64, records: u64) -> Value {
     let call = |c: &str| {
         texts.iter().fold(0.0, |a, t| {
@@ -298,6 +299,14 @@ pub(crate) fn breakdown(texts: &[String], wall_s: f64, records: u64) -> Value {
     let wall = wall_s * texts.len() as f64;
     parts.insert("rest".into(), json!(per(wall - busy)));
     parts.insert("wall".into(), json!(per(wall)));
+    // Beside the dispatch path, so not part of the sum above: the monitor's backlog gauges,
+    // the census, the reaper and the shape probe, the database time timeoutd spends besides
+    // the lease protocol.
+    let background = timeoutd::metrics::BACKGROUND_CALLS
+        .iter()
+        .map(|c| call(c))
+        .sum::<f64>();
+    parts.insert("background".into(), json!(per(background)));
     Value::Object(parts)
 }
 
