@@ -302,10 +302,12 @@ pub(crate) fn breakdown(texts: &[String], wall_s: f64, records: u64) -> Value {
     // Beside the dispatch path, so not part of the sum above: the monitor's backlog gauges,
     // the census, the reaper and the shape probe, the database time timeoutd spends besides
     // the lease protocol.
-    let background = timeoutd::metrics::BACKGROUND_CALLS
-        .iter()
-        .map(|c| call(c))
-        .sum::<f64>();
+    let mut background = 0.0;
+    for c in timeoutd::metrics::BACKGROUND_CALLS {
+        let s = call(c);
+        background += s;
+        parts.insert(format!("bg_{c}"), json!(per(s)));
+    }
     parts.insert("background".into(), json!(per(background)));
     Value::Object(parts)
 }
