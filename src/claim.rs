@@ -40,6 +40,42 @@ impl ClaimedRow {
     }
 }
 
+/// What step 1 of a claim read: the records to take, oldest first, and the bounds the
+/// compare-and-swap checks them against again.
+#[derive(Debug, Clone)]
+pub struct Candidates {
+    /// Due by this instant (now plus the look-ahead, when read).
+    horizon: DateTime,
+    shapes: Vec<crate::due::Shape>,
+    excluded: Vec<String>,
+    docs: Vec<Document>,
+    ids: Vec<Bson>,
+    /// The read saw more claimable records than it returned.
+    more: bool,
+}
+
+impl Candidates {
+    /// How many records were read.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the read found nothing to take.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Nothing taken: the claim was given up after the read (the broker never answered the
+    /// wave it waited on, or shutdown). More may be claimable.
+    pub fn abandoned(self, lease_len: Duration, now: DateTime) -> Claim {
+        Claim {
+            lease: Lease::new(now, lease_len),
+            rows: Vec::new(),
+            more: self.more || !self.ids.is_empty(),
+        }
+    }
+}
+
 /// A claimed batch: the lease every row shares, rows oldest first.
 #[derive(Debug, Clone)]
 pub struct Claim {
@@ -84,9 +120,26 @@ impl Store {
         look_ahead: Duration,
         excluded: &[String],
     ) -> Result<Claim, StoreError> {
+        let candidates = self.candidates(batch_size, look_ahead, excluded).await?;
+        self.take(candidates, lease_len).await
+    }
+
+    /// Step 1 of a claim: reads up to `batch_size` claimable records due within
+    /// `look_ahead`, oldest first, of every destination but `excluded`. Takes nothing: the
+    /// dispatch loop may read the next batch while the broker has not yet answered the wave
+    /// in flight, and take it ([`Store::take`]) only once it has.
+    ///
+    /// Alone, an instance reads the oldest due records. After a claim that lost records to a
+    /// racing instance it reads a random slice of the backlog instead, so that concurrent
+    /// claims mostly take different records ([`crate::window`]).
+    pub async fn candidates(
+        &self,
+        batch_size: u32,
+        look_ahead: Duration,
+        excluded: &[String],
+    ) -> Result<Candidates, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
-        let lease = Lease::new(now, lease_len);
         // While a backlog drains, read only about one batch past the last one, or a random
         // slice after meeting a racing instance (see `crate::window`).
         let slice = rand::random_range(0..window::SLICES);
@@ -129,18 +182,46 @@ impl Store {
         }
         found.sort_by_key(|(due, _)| due.timestamp_millis());
         found.truncate(batch_size as usize);
-        let found_count = found.len();
         let dues: Vec<DateTime> = found.iter().map(|(due, _)| *due).collect();
         self.head
             .update(excluded, from, now, dues.first().copied(), range.to);
-        let windowed_more = self
+        let more = self
             .window
-            .update(&range, &dues, found_count >= batch_size as usize);
-        let found: Vec<Document> = found.into_iter().map(|(_, d)| d).collect();
-        let candidates: Vec<Bson> = found
+            .update(&range, &dues, found.len() >= batch_size as usize);
+        let docs: Vec<Document> = found.into_iter().map(|(_, d)| d).collect();
+        let ids = docs
             .iter()
             .filter_map(|d| d.get(field::ID).cloned())
             .collect();
+        Ok(Candidates {
+            horizon: range.to,
+            shapes,
+            excluded: excluded.to_vec(),
+            docs,
+            ids,
+            more,
+        })
+    }
+
+    /// Steps 2 to 6 of a claim: takes the `candidates` still claimable now under a fresh
+    /// owner and a lease from now, with the compare-and-swap `updateMany`, and reads back
+    /// which are ours when a racing instance took some.
+    pub async fn take(
+        &self,
+        candidates: Candidates,
+        lease_len: Duration,
+    ) -> Result<Claim, StoreError> {
+        let Candidates {
+            horizon,
+            shapes,
+            excluded,
+            docs: found,
+            ids: candidates,
+            more: windowed_more,
+        } = candidates;
+        let found_count = found.len();
+        let now = self.clock.now();
+        let lease = Lease::new(now, lease_len);
         if candidates.is_empty() {
             return Ok(Claim {
                 lease,
@@ -153,8 +234,8 @@ impl Store {
             self.coll
                 .update_many(
                     lease::except(
-                        lease::claim_filter(now, range.to, &shapes, &candidates),
-                        excluded,
+                        lease::claim_filter(now, horizon, &shapes, &candidates),
+                        &excluded,
                     ),
                     lease::claim_update(&lease, self.uuids),
                 )

@@ -24,7 +24,7 @@ use crate::shapes::ShapeCache;
 use crate::window::ReadWindow;
 
 pub use crate::census::{Census, Stats};
-pub use crate::claim::{Claim, ClaimedRow};
+pub use crate::claim::{Candidates, Claim, ClaimedRow};
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
 /// `timeoutd_due` (`{"Time.0": 1}`, before offsets were served) is no longer used: drop it.

@@ -2,9 +2,10 @@
 //! it brings back (parked at once, or held for their instant).
 
 use std::panic::AssertUnwindSafe;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::FutureExt;
+use tokio_util::sync::CancellationToken;
 
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, Ready};
@@ -32,23 +33,35 @@ pub fn triage(
 
 impl Dispatcher {
     /// Whether a claim may start once its time comes: the link is up, no claim is running,
-    /// fewer than two batches are held, and no wave is publishing unless the broker has
-    /// answered one of that wave's publishes. A wave normally takes tens of milliseconds and
-    /// its first confirm a few; the claim then runs beside the rest of it, so the database's
-    /// writer is not idle while the broker works. A wave without an answer is a broker that
-    /// may have stalled, and an instance claiming meanwhile would hoard records it cannot
-    /// send, which a peer could.
+    /// fewer than two batches are held. A claim may start while a wave publishes: it reads
+    /// its candidates at once, but takes them ([`ProofGate`]) only once the broker has
+    /// answered one of that wave's publishes, so the database is not idle while the broker
+    /// works and an instance whose broker stalled hoards nothing.
     pub(super) fn can_claim(&self) -> bool {
         let cap = 2 * self.config.dispatch.batch_size as usize;
-        self.link_up
-            && !self.claims.is_running()
-            && self.held.len() < cap
-            && (self.wave_alive.is_none() || self.wave_proven)
-            && !self.rate_saturated()
+        self.link_up && !self.claims.is_running() && self.held.len() < cap && !self.rate_saturated()
+    }
+
+    /// What a claim starting now must wait for before it takes its candidates: the first
+    /// answer to the wave in flight, when it has had none yet.
+    fn proof_gate(&self) -> Option<ProofGate> {
+        match (&self.wave_alive, &self.wave_over) {
+            (Some(alive), Some(over)) if !self.wave_proven => Some(ProofGate {
+                answered: alive.clone(),
+                over: over.clone(),
+                shutdown: self.shutdown.clone(),
+            }),
+            _ => None,
+        }
     }
 
     /// A background claim returned.
-    pub(super) fn on_claimed(&mut self, started: Instant, result: Result<Claim, StoreError>) {
+    pub(super) fn on_claimed(
+        &mut self,
+        started: Instant,
+        waited: Duration,
+        result: Result<Claim, StoreError>,
+    ) {
         let claim = match result {
             Ok(claim) => claim,
             Err(e) => {
@@ -61,7 +74,7 @@ impl Dispatcher {
         };
         self.health.set_up(m::MONGODB, true);
         self.claim_backoff.reset();
-        m::claim_duration(started.elapsed());
+        m::claim_duration(started.elapsed().saturating_sub(waited));
         self.claims.finished(started, claim.more);
         if claim.rows.is_empty() {
             return;
@@ -106,8 +119,10 @@ impl Dispatcher {
         let d = &self.config.dispatch;
         let (batch, lease, ahead) = (d.batch_size, d.lock_lease, d.look_ahead());
         let excluded = self.excluded_destinations();
+        let gate = self.proof_gate();
         self.tasks.spawn(async move {
             let started = Instant::now();
+            let mut waited = Duration::ZERO;
             // Tests only: a slow claim (a wake-up must not be lost while it runs).
             #[cfg(feature = "failpoints")]
             if let Some(Some(ms)) =
@@ -115,15 +130,107 @@ impl Dispatcher {
             {
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             }
-            let claim = store.claim_except(batch, lease, ahead, &excluded);
-            let result = match AssertUnwindSafe(store.bounded("claim", claim))
-                .catch_unwind()
-                .await
-            {
+            let claim = async {
+                let read = store.candidates(batch, ahead, &excluded);
+                let candidates = store.bounded("read claim candidates", read).await?;
+                if let Some(gate) = gate
+                    && !candidates.is_empty()
+                {
+                    let at = Instant::now();
+                    let go = gate.passed().await;
+                    waited = at.elapsed();
+                    if !go {
+                        return Ok(candidates.abandoned(lease, store.clock().now()));
+                    }
+                }
+                store
+                    .bounded("take claim candidates", store.take(candidates, lease))
+                    .await
+            };
+            let result = match AssertUnwindSafe(claim).catch_unwind().await {
                 Ok(result) => result,
                 Err(panic) => Err(StoreError::Panicked(panic_message(panic.as_ref()))),
             };
-            Done::Claim { started, result }
+            Done::Claim {
+                started,
+                waited,
+                result,
+            }
         });
+    }
+}
+
+/// What a claim that started beside an unanswered wave waits for between reading its
+/// candidates and taking them: the broker's first answer to that wave (take them), or the
+/// wave's end without one, or shutdown (take nothing: the broker may have stalled, and
+/// records leased now could not be sent).
+pub(super) struct ProofGate {
+    answered: CancellationToken,
+    /// Cancelled when the wave's publishes and confirms are no longer awaited.
+    over: CancellationToken,
+    shutdown: CancellationToken,
+}
+
+impl ProofGate {
+    /// Whether the claim may take its candidates.
+    async fn passed(&self) -> bool {
+        tokio::select! {
+            biased;
+            _ = self.answered.cancelled() => {}
+            _ = self.over.cancelled() => {}
+            _ = self.shutdown.cancelled() => return false,
+        }
+        self.answered.is_cancelled()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gate() -> (ProofGate, CancellationToken, CancellationToken, CancellationToken) {
+        let (answered, over, shutdown) = (
+            CancellationToken::new(),
+            CancellationToken::new(),
+            CancellationToken::new(),
+        );
+        let gate = ProofGate {
+            answered: answered.clone(),
+            over: over.clone(),
+            shutdown: shutdown.clone(),
+        };
+        (gate, answered, over, shutdown)
+    }
+
+    #[tokio::test]
+    async fn a_claim_takes_once_the_wave_is_answered() {
+        let (gate, answered, _over, _shutdown) = gate();
+        let waiting = tokio::spawn(async move { gate.passed().await });
+        answered.cancel();
+        assert!(waiting.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_wave_that_ends_unanswered_makes_the_claim_take_nothing() {
+        let (gate, _answered, over, _shutdown) = gate();
+        let waiting = tokio::spawn(async move { gate.passed().await });
+        over.cancel();
+        assert!(!waiting.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn an_answer_at_the_wave_end_still_counts() {
+        let (gate, answered, over, _shutdown) = gate();
+        answered.cancel();
+        over.cancel();
+        assert!(gate.passed().await);
+    }
+
+    #[tokio::test]
+    async fn shutdown_makes_the_claim_take_nothing() {
+        let (gate, _answered, _over, shutdown) = gate();
+        let waiting = tokio::spawn(async move { gate.passed().await });
+        shutdown.cancel();
+        assert!(!waiting.await.unwrap());
     }
 }

@@ -71,6 +71,8 @@ pub enum DispatchError {
 enum Done {
     Claim {
         started: Instant,
+        /// Time spent waiting for the broker's answer to the wave in flight.
+        waited: Duration,
         result: Result<Claim, StoreError>,
     },
     /// The task that had the RabbitMQ link gives it back.
@@ -135,6 +137,8 @@ pub struct Dispatcher {
     wave_alive: Option<CancellationToken>,
     /// The wave in flight has had an answer: the next claim may run beside it.
     wave_proven: bool,
+    /// Some while a wave is publishing; cancelled when its outcomes are no longer awaited.
+    wave_over: Option<CancellationToken>,
     removals: usize,
     settling: usize,
     failed: Option<String>,
@@ -175,6 +179,7 @@ impl Dispatcher {
             link_task: None,
             wave_alive: None,
             wave_proven: false,
+            wave_over: None,
             removals: 0,
             settling: 0,
             failed: None,
@@ -298,7 +303,11 @@ impl Dispatcher {
 
     fn on_finished(&mut self, done: Done) {
         match done {
-            Done::Claim { started, result } => self.on_claimed(started, result),
+            Done::Claim {
+                started,
+                waited,
+                result,
+            } => self.on_claimed(started, waited, result),
             Done::Link { publisher, work } => {
                 self.link_task = None;
                 self.end_wave();
@@ -319,6 +328,7 @@ impl Dispatcher {
     fn end_wave(&mut self) {
         self.wave_alive = None;
         self.wave_proven = false;
+        self.wave_over = None;
     }
 
     /// Shutdown: no new claims; what is held and not sent is released at once.

@@ -146,6 +146,7 @@ impl Dispatcher {
         tracing::debug!(records = messages.len(), "publishing a wave");
         let alive = CancellationToken::new();
         self.wave_alive = Some(alive.clone());
+        self.wave_over = Some(stop_waiting.clone());
         let handle = self.tasks.spawn(async move {
             let started = Instant::now();
             let outcomes = match publisher.connect().await {
