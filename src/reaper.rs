@@ -1,9 +1,16 @@
 //! The reaper: every `[reaper] interval` (a quarter of the lease by default), frees the
 //! records whose lease has expired, so that a crashed or stalled instance's claims become
-//! claimable again, and the records locked with no lease expiry (left by ServiceConnect's own
-//! poller) once they stayed so for a whole lease. Every [`CENSUS_INTERVAL`] (or each pass,
-//! if that comes more often) it takes the census of records nothing fires on its own
+//! claimable again. Every [`CENSUS_INTERVAL`] (or each pass, if that comes more often) it
+//! frees the records locked with no lease expiry (left by ServiceConnect's own poller) once
+//! they stayed so for a whole lease, and takes the census of records nothing fires on its own
 //! ([`crate::census`]) and sets its gauges.
+//!
+//! The expired-lease query is one index range (`LockExpiresAt`). The other two are not: the
+//! census counts records whose `Time` no due branch matches with a `$nor` no index serves (a
+//! collection scan), and on a collection with ServiceConnect v7's indexes the stuck-lock
+//! query (`Locked: true`, no `LockExpiresAt`) reads every free record through
+//! `LockExpiresAt_1`. Both run every five minutes, not every pass: a fleet of three on a
+//! million records would otherwise scan it every few seconds.
 
 use std::time::Duration;
 
@@ -12,8 +19,8 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics as m;
 use crate::store::Store;
 
-/// How often the census gauges are refreshed.
-pub const CENSUS_INTERVAL: Duration = Duration::from_secs(15);
+/// How often stuck locks are looked for and the census gauges refreshed.
+pub const CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Runs until `shutdown` is cancelled.
 pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) {
@@ -25,13 +32,15 @@ pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) 
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = reap.tick() => pass(&store).await,
-            _ = census.tick() => take_census(&store).await,
+            _ = census.tick() => {
+                free_stuck(&store).await;
+                take_census(&store).await;
+            }
         }
     }
 }
 
-/// One reaper pass: expired leases, then stuck locks. Each call is bounded by `[mongodb]
-/// operation_timeout`.
+/// One reaper pass: frees expired leases. Bounded by `[mongodb] operation_timeout`.
 pub async fn pass(store: &Store) {
     // Tests only: the reaper panics (supervision tests). The panic is raised here rather than
     // by the fail crate's own `panic` action, which poisons its registry.
@@ -50,6 +59,10 @@ pub async fn pass(store: &Store) {
         }
         Err(e) => tracing::warn!(error = %e, "reaper pass failed; trying again next interval"),
     }
+}
+
+/// Frees the records locked with no lease expiry for a whole lease.
+async fn free_stuck(store: &Store) {
     match store
         .bounded(
             "free stuck locks",

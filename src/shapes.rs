@@ -142,17 +142,33 @@ async fn probe_finds_new(
             .query(
                 store
                     .coll
-                    .find_one(doc! { field::TIME_OFFSET: {
-                        "$gte": -due::MAX_OFFSET_MINUTES,
-                        "$lte": due::MAX_OFFSET_MINUTES,
-                        "$nin": seen,
-                    } })
+                    .find_one(doc! { field::TIME_OFFSET: { "$in": unseen_offsets(&seen) } })
                     .projection(doc! { field::ID: 1 }),
             )
             .await?;
         return Ok(new_offset.is_some());
     }
     Ok(false)
+}
+
+/// The whole minutes within +-14 h that no value in `seen` equals (numerically: an offset
+/// stored as a double matches too), as the probe's `$in`. Point lookups, not a range with
+/// `$nin`: MongoDB serves either from the index, SecantusDB scans the whole index for the
+/// range (70 ms at 50k records, measured) and seeks for the points (5 ms).
+fn unseen_offsets(seen: &[Bson]) -> Vec<i32> {
+    let seen: std::collections::HashSet<i64> = seen
+        .iter()
+        .filter_map(|v| match v {
+            Bson::Int32(o) => Some(i64::from(*o)),
+            Bson::Int64(o) => Some(*o),
+            Bson::Double(o) if o.fract() == 0.0 && o.abs() <= 1e6 => Some(*o as i64),
+            _ => None,
+        })
+        .collect();
+    let max = due::MAX_OFFSET_MINUTES as i32;
+    (-max..=max)
+        .filter(|o| !seen.contains(&i64::from(*o)))
+        .collect()
 }
 
 /// Any date: `$type` keeps arrays out, and the date index (or v7's `Time_1_Locked_1`)
@@ -187,4 +203,32 @@ async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreErro
         shapes.extend(due::servable_offsets(&seen).into_iter().map(Shape::Ticks));
     }
     Ok((shapes, seen))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_asks_for_every_servable_offset_not_seen() {
+        let all = unseen_offsets(&[]);
+        assert_eq!(all.len(), 2 * 840 + 1);
+        assert_eq!((all.first(), all.last()), (Some(&-840), Some(&840)));
+        let seen = [
+            Bson::Int32(0),
+            Bson::Int64(60),
+            Bson::Double(-300.0),
+            Bson::Double(30.5),
+            Bson::Int32(9_999),
+            Bson::String("x".into()),
+        ];
+        let unseen = unseen_offsets(&seen);
+        assert_eq!(unseen.len(), all.len() - 3);
+        for o in [0, 60, -300] {
+            assert!(!unseen.contains(&o), "{o} was seen");
+        }
+        for o in [30, 31, -840, 840] {
+            assert!(unseen.contains(&o), "{o} was not seen");
+        }
+    }
 }

@@ -188,7 +188,12 @@ impl ProofGate {
 mod tests {
     use super::*;
 
-    fn gate() -> (ProofGate, CancellationToken, CancellationToken, CancellationToken) {
+    fn gate() -> (
+        ProofGate,
+        CancellationToken,
+        CancellationToken,
+        CancellationToken,
+    ) {
         let (answered, over, shutdown) = (
             CancellationToken::new(),
             CancellationToken::new(),
