@@ -307,6 +307,10 @@ pub(crate) fn breakdown(texts: &[String], wall_s: f64, records: u64) -> Value {
         let s = call(c);
         background += s;
         parts.insert(format!("bg_{c}"), json!(per(s)));
+        let calls = texts.iter().fold(0.0, |a, t| {
+            a + prom_labelled(t, "timeoutd_mongodb_call_seconds_count", "call", c)
+        });
+        parts.insert(format!("bg_{c}_calls"), json!(calls));
     }
     parts.insert("background".into(), json!(per(background)));
     Value::Object(parts)
