@@ -20,6 +20,9 @@ use crate::store::{Store, StoreError};
 pub const NAMED_PER_CENSUS: i64 = 100;
 /// At most this many stuck records are tracked at once (public pollers leave one per crash).
 pub const STUCK_TRACKED: i64 = 1_000;
+/// The monitor counts due records up to this many (`timeoutd_due_backlog`); `stats` counts
+/// them all.
+pub const BACKLOG_COUNTED_UP_TO: u64 = 10_000;
 /// How often the warning about another dispatcher is repeated while it lasts.
 pub const FOREIGN_WARNING_EVERY: Duration = Duration::from_secs(600);
 
@@ -81,13 +84,20 @@ impl Store {
         doc! { "$nor": [due::schedulable(self.encoding)] }
     }
 
-    /// The backlog gauges: due and claimable records, and the age of the oldest due one.
-    /// Cheap: both queries are bounded by the due records, not by the future ones.
-    pub async fn backlog(&self) -> Result<(u64, Option<f64>), StoreError> {
+    /// The backlog gauges: due and claimable records, counted up to `up_to` (what the
+    /// monitor reads every 15 s on every instance must not grow with the backlog: a fleet
+    /// restarting on a million due records would otherwise read each of them every 15 s per
+    /// instance, while the database is what limits the drain), and the age of the oldest due
+    /// one (one index seek per shape).
+    pub async fn backlog(&self, up_to: u64) -> Result<(u64, Option<f64>), StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
         let due = self
-            .query(self.coll.count_documents(lease::due_filter(now, &shapes)))
+            .query(
+                self.coll
+                    .count_documents(lease::due_filter(now, &shapes))
+                    .limit(up_to),
+            )
             .await?;
         Ok((due, self.oldest_due_age(now, &shapes).await?))
     }

@@ -272,7 +272,10 @@ async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken)
     let parking = store.parking();
     loop {
         let counts = Store::timed("backlog", async {
-            tokio::try_join!(store.backlog(), parking.count())
+            tokio::try_join!(
+                store.backlog(crate::census::BACKLOG_COUNTED_UP_TO),
+                parking.count()
+            )
         });
         match store.bounded("read the backlog", counts).await {
             Ok(((due, oldest), parked)) => {

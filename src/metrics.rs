@@ -244,7 +244,7 @@ pub const SERIES: &[Series] = &[
         "timeoutd_due_backlog",
         Gauge,
         Some(Unit::Count),
-        "Due and claimable records at the last monitor reading.",
+        "Due and claimable records at the last monitor reading, counted up to 10000 (a bigger backlog reads 10000; timeoutd stats counts them all).",
     ),
     series(
         "timeoutd_oldest_due_age_seconds",

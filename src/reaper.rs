@@ -26,7 +26,10 @@ pub const CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) {
     let mut reap = tokio::time::interval(interval);
     reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut census = tokio::time::interval(CENSUS_INTERVAL.min(interval));
+    // The first census one period after start, not at once: a fleet restarted on a backlog
+    // spends its first seconds draining it, not scanning the collection.
+    let every = CENSUS_INTERVAL.min(interval);
+    let mut census = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     census.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

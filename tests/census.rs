@@ -140,3 +140,18 @@ async fn unschedulable_records_are_counted_and_named_once() {
     assert_eq!(env.count(doc! {}).await, 2, "the unschedulable ones stay");
     env.cleanup().await;
 }
+
+/// The monitor's backlog gauge reads at most `up_to` due records, whatever the backlog;
+/// `stats` still counts them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_monitor_counts_the_backlog_only_up_to_its_limit() {
+    let env = TestEnv::new().await;
+    env.insert_due(8).await;
+    let store = store_with(&env.config()).await;
+    assert_eq!(store.backlog(5).await.unwrap().0, 5);
+    let (due, oldest) = store.backlog(100).await.unwrap();
+    assert_eq!(due, 8);
+    assert!(oldest.is_some_and(|age| age >= 0.0), "{oldest:?}");
+    assert_eq!(store.stats().await.unwrap().due, 8);
+    env.cleanup().await;
+}
