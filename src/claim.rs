@@ -55,11 +55,6 @@ pub struct Candidates {
 }
 
 impl Candidates {
-    /// How many records were read.
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-
     /// Whether the read found nothing to take.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()

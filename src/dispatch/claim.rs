@@ -45,14 +45,11 @@ impl Dispatcher {
     /// What a claim starting now must wait for before it takes its candidates: the first
     /// answer to the wave in flight, when it has had none yet.
     fn proof_gate(&self) -> Option<ProofGate> {
-        match (&self.wave_alive, &self.wave_over) {
-            (Some(alive), Some(over)) if !self.wave_proven => Some(ProofGate {
-                answered: alive.clone(),
-                over: over.clone(),
-                shutdown: self.shutdown.clone(),
-            }),
-            _ => None,
-        }
+        let wave = self.wave.as_ref()?;
+        (!wave.answered.is_cancelled()).then(|| ProofGate {
+            wave: wave.clone(),
+            shutdown: self.shutdown.clone(),
+        })
     }
 
     /// A background claim returned.
@@ -165,10 +162,17 @@ impl Dispatcher {
 /// wave's end without one, or shutdown (take nothing: the broker may have stalled, and
 /// records leased now could not be sent).
 pub(super) struct ProofGate {
-    answered: CancellationToken,
-    /// Cancelled when the wave's publishes and confirms are no longer awaited.
-    over: CancellationToken,
+    wave: WaveSignals,
     shutdown: CancellationToken,
+}
+
+/// The signals of the wave in flight.
+#[derive(Clone)]
+pub(super) struct WaveSignals {
+    /// Cancelled by the wave at the broker's first answer to one of its publishes.
+    pub(super) answered: CancellationToken,
+    /// Cancelled when the wave's publishes and confirms are no longer awaited.
+    pub(super) over: CancellationToken,
 }
 
 impl ProofGate {
@@ -176,11 +180,11 @@ impl ProofGate {
     async fn passed(&self) -> bool {
         tokio::select! {
             biased;
-            _ = self.answered.cancelled() => {}
-            _ = self.over.cancelled() => {}
+            _ = self.wave.answered.cancelled() => {}
+            _ = self.wave.over.cancelled() => {}
             _ = self.shutdown.cancelled() => return false,
         }
-        self.answered.is_cancelled()
+        self.wave.answered.is_cancelled()
     }
 }
 
@@ -200,8 +204,10 @@ mod tests {
             CancellationToken::new(),
         );
         let gate = ProofGate {
-            answered: answered.clone(),
-            over: over.clone(),
+            wave: WaveSignals {
+                answered: answered.clone(),
+                over: over.clone(),
+            },
             shutdown: shutdown.clone(),
         };
         (gate, answered, over, shutdown)

@@ -47,6 +47,7 @@ use crate::publisher::{PublishError, Publisher, SendOutcome};
 use crate::record::TimeoutRecord;
 use crate::store::{Claim, Store, StoreError};
 use crate::supervisor::panic_message;
+use claim::WaveSignals;
 pub use claim::triage;
 pub use held::{ClaimSchedule, Held, Ready};
 use settle::Settle;
@@ -102,8 +103,6 @@ enum Event {
     WokenUp,
     /// The soonest held record fell due.
     Due,
-    /// The broker answered a publish of the wave in flight: it is reading and confirming.
-    WaveAlive,
     /// A poll, a reconnect or a heartbeat is due.
     Tick,
 }
@@ -132,13 +131,8 @@ pub struct Dispatcher {
     settle_queue: VecDeque<Settle>,
     tasks: JoinSet<Done>,
     link_task: Option<tokio::task::Id>,
-    /// Some while a wave is publishing; cancelled by that wave at its first answer from the
-    /// broker.
-    wave_alive: Option<CancellationToken>,
-    /// The wave in flight has had an answer: the next claim may run beside it.
-    wave_proven: bool,
-    /// Some while a wave is publishing; cancelled when its outcomes are no longer awaited.
-    wave_over: Option<CancellationToken>,
+    /// Some while a wave is publishing: what a claim beside it waits for (`claim::ProofGate`).
+    wave: Option<WaveSignals>,
     removals: usize,
     settling: usize,
     failed: Option<String>,
@@ -177,9 +171,7 @@ impl Dispatcher {
             settle_queue: VecDeque::new(),
             tasks: JoinSet::new(),
             link_task: None,
-            wave_alive: None,
-            wave_proven: false,
-            wave_over: None,
+            wave: None,
             removals: 0,
             settling: 0,
             failed: None,
@@ -255,16 +247,12 @@ impl Dispatcher {
             _ => None,
         };
         let tick = self.next_tick(stopping, now);
-        let alive = self.wave_alive.clone().filter(|_| !self.wave_proven);
-        let watch_wave = alive.is_some();
-        let alive = alive.unwrap_or_default();
         tokio::select! {
             _ = self.shutdown.cancelled(), if !stopping => Event::Shutdown,
             Some(done) = self.tasks.join_next() => Event::Finished(done),
             _ = self.wake.notified(), if !stopping => Event::WokenUp,
             _ = tokio::time::sleep_until(due_at.unwrap_or(now).into()), if due_at.is_some() => Event::Due,
             _ = tokio::time::sleep_until(tick.into()) => Event::Tick,
-            _ = alive.cancelled(), if watch_wave => Event::WaveAlive,
         }
     }
 
@@ -295,7 +283,6 @@ impl Dispatcher {
             Event::Finished(Ok(done)) => self.on_finished(done),
             Event::Finished(Err(e)) => self.on_task_died(e),
             Event::WokenUp => self.claims.wake(),
-            Event::WaveAlive => self.wave_proven = true,
             // Due records and due claims are started by `start_work` at the top of the loop.
             Event::Due | Event::Tick => {}
         }
@@ -326,9 +313,7 @@ impl Dispatcher {
 
     /// The wave in flight ended, whatever its outcome.
     fn end_wave(&mut self) {
-        self.wave_alive = None;
-        self.wave_proven = false;
-        self.wave_over = None;
+        self.wave = None;
     }
 
     /// Shutdown: no new claims; what is held and not sent is released at once.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 use super::settle::{Failure, Settle};
-use super::{Dispatcher, Done, LinkWork};
+use super::{Dispatcher, Done, LinkWork, WaveSignals};
 use crate::lease::PrePublish;
 use crate::message::{self, OutgoingMessage};
 use crate::metrics as m;
@@ -145,8 +145,10 @@ impl Dispatcher {
         let stop_waiting = self.confirm_deadline();
         tracing::debug!(records = messages.len(), "publishing a wave");
         let alive = CancellationToken::new();
-        self.wave_alive = Some(alive.clone());
-        self.wave_over = Some(stop_waiting.clone());
+        self.wave = Some(WaveSignals {
+            answered: alive.clone(),
+            over: stop_waiting.clone(),
+        });
         let handle = self.tasks.spawn(async move {
             let started = Instant::now();
             let outcomes = match publisher.connect().await {
