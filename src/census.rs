@@ -60,7 +60,7 @@ pub struct Census {
     pub foreign_locks: u64,
 }
 
-/// What the census remembers between passes, shared by the clones of a store.
+/// What the census remembers between passes; the reaper keeps it and hands it in.
 #[derive(Debug, Default)]
 pub struct CensusState {
     /// Unschedulable records already named in the logs.
@@ -165,7 +165,7 @@ impl Store {
     /// Counts what nothing will fire on its own, names each unschedulable record in the logs
     /// once, and warns (at most every [`FOREIGN_WARNING_EVERY`]) when records are locked as
     /// timeoutd never locks them: another dispatcher is claiming in this collection.
-    pub async fn census(&self) -> Result<Census, StoreError> {
+    pub async fn census(&self, state: &CensusState) -> Result<Census, StoreError> {
         let count = |filter: Document| self.query(self.coll.count_documents(filter));
         let (unschedulable, stuck_locks, foreign_locks) = tokio::try_join!(
             count(self.unschedulable_filter()),
@@ -173,10 +173,10 @@ impl Store {
             count(lease::foreign_locks()),
         )?;
         if unschedulable > 0 {
-            self.name_unschedulable().await?;
+            self.name_unschedulable(state).await?;
         }
         if foreign_locks > 0 {
-            let mut warned = locked(&self.census_state.warned_foreign_at);
+            let mut warned = locked(&state.warned_foreign_at);
             if warned.is_none_or(|t| t.elapsed() >= FOREIGN_WARNING_EVERY) {
                 *warned = Some(Instant::now());
                 tracing::warn!(
@@ -192,7 +192,7 @@ impl Store {
         })
     }
 
-    async fn name_unschedulable(&self) -> Result<(), StoreError> {
+    async fn name_unschedulable(&self, state: &CensusState) -> Result<(), StoreError> {
         let docs: Vec<Document> = self
             .query(async {
                 self.coll
@@ -204,7 +204,7 @@ impl Store {
                     .await
             })
             .await?;
-        let mut named = locked(&self.census_state.named);
+        let mut named = locked(&state.named);
         for d in docs {
             let id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
             if named.len() < 100_000 && named.insert(key_of(&id)) {
@@ -224,7 +224,11 @@ impl Store {
     /// `lease` (`$set {Locked: false}` only, so the record keeps its own shape); returns how
     /// many. The age is this instance's own observation, so a record is never freed before
     /// a whole lease has passed since it was first seen stuck.
-    pub async fn free_stuck(&self, lease_len: Duration) -> Result<u64, StoreError> {
+    pub async fn free_stuck(
+        &self,
+        state: &CensusState,
+        lease_len: Duration,
+    ) -> Result<u64, StoreError> {
         let docs: Vec<Document> = self
             .query(async {
                 self.coll
@@ -238,7 +242,7 @@ impl Store {
             .await?;
         let now = Instant::now();
         let old: Vec<Bson> = {
-            let mut since = locked(&self.census_state.stuck_since);
+            let mut since = locked(&state.stuck_since);
             let current: HashMap<String, Bson> = crate::record::ids_of(docs)
                 .into_iter()
                 .map(|id| (key_of(&id), id))
@@ -262,7 +266,7 @@ impl Store {
                 doc! { "$set": { field::LOCKED: false } },
             ))
             .await?;
-        let mut since = locked(&self.census_state.stuck_since);
+        let mut since = locked(&state.stuck_since);
         for id in &old {
             since.remove(&key_of(id));
         }

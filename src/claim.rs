@@ -95,14 +95,16 @@ impl Store {
     /// Alone, an instance takes the oldest due records. After a claim that lost records to a
     /// racing instance it reads a random slice of the backlog instead, so that concurrent
     /// claims mostly take different records ([`crate::window`]).
+    ///
+    /// Leaves no destination out: pauses are the control's concern, and the dispatch loop,
+    /// which obeys them, names what to leave out ([`Store::claim_except`]).
     pub async fn claim_window(
         &self,
         batch_size: u32,
         lease_len: Duration,
         look_ahead: Duration,
     ) -> Result<Claim, StoreError> {
-        let paused = self.control_state().paused.clone();
-        self.claim_except(batch_size, lease_len, look_ahead, &paused)
+        self.claim_except(batch_size, lease_len, look_ahead, &[])
             .await
     }
 

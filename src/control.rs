@@ -10,8 +10,8 @@
 //!   [`AUDIT_RETENTION`]).
 //!
 //! Every instance reads the pauses and ramps every poll interval, and at once when the
-//! collection changes ([`crate::controlwatch`]), into [`ControlState`], which the claim
-//! ([`crate::claim`]) and the dispatch loop consult.
+//! collection changes ([`crate::controlwatch`]), into [`ControlState`], which the dispatch
+//! loop consults: it names the paused destinations to each claim.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -94,7 +94,8 @@ pub struct Snapshot {
     pub oldest_pause_ms: Option<i64>,
 }
 
-/// The latest [`Snapshot`], shared by the clones of a store.
+/// The latest [`Snapshot`]: the control watcher sets it, the dispatch loop reads it. The
+/// daemon makes one and hands it to both.
 #[derive(Debug, Default)]
 pub struct ControlState(RwLock<Arc<Snapshot>>);
 
@@ -344,10 +345,5 @@ impl Store {
             out.push((p, due, all));
         }
         Ok(out)
-    }
-
-    /// The pauses and ramps this instance obeys now.
-    pub fn control_state(&self) -> Arc<Snapshot> {
-        self.control_state.get()
     }
 }

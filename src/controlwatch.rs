@@ -7,17 +7,19 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::control::ControlState;
 use crate::store::Store;
 
 /// How long to wait before opening the control collection's change stream again.
 const REOPEN_STREAM: Duration = Duration::from_secs(30);
 
 /// Reads the control collection every `interval` until shutdown, and at once when its change
-/// stream (where the server has one) reports a write, into the store's [`crate::control::ControlState`]; logs
+/// stream (where the server has one) reports a write, into `state`; logs
 /// each change and signals `changed` (the dispatch loop's wake-up, so it applies the change
 /// and claims at once).
 pub async fn watch(
     store: Store,
+    state: Arc<ControlState>,
     interval: Duration,
     changed: Arc<tokio::sync::Notify>,
     shutdown: CancellationToken,
@@ -25,7 +27,7 @@ pub async fn watch(
     let mut stream = None;
     let mut opened_at: Option<std::time::Instant> = None;
     loop {
-        read_once(&store, &changed).await;
+        read_once(&store, &state, &changed).await;
         if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
             opened_at = Some(std::time::Instant::now());
             stream = store
@@ -53,7 +55,7 @@ pub async fn watch(
     }
 }
 
-async fn read_once(store: &Store, changed: &tokio::sync::Notify) {
+async fn read_once(store: &Store, state: &ControlState, changed: &tokio::sync::Notify) {
     match store.bounded("read pauses", store.read_control()).await {
         Ok(next) => {
             let now_ms = store.clock().now().timestamp_millis();
@@ -61,8 +63,8 @@ async fn read_once(store: &Store, changed: &tokio::sync::Notify) {
                 .oldest_pause_ms
                 .map_or(0.0, |t| now_ms.saturating_sub(t).max(0) as f64 / 1000.0);
             crate::metrics::pause_age(longest);
-            let before = store.control_state();
-            if store.control_state.set(next.clone()) {
+            let before = state.get();
+            if state.set(next.clone()) {
                 for d in next.paused.iter().filter(|d| !before.paused.contains(d)) {
                     tracing::warn!(destination = %d, "destination paused: not claiming its records");
                 }

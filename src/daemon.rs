@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::clock::ServerClock;
 use crate::config::Config;
+use crate::control::ControlState;
 use crate::dispatch::Dispatcher;
 use crate::health::Health;
 use crate::metrics as m;
@@ -178,9 +179,10 @@ async fn start(
         tracing::warn!(error = %e, "could not create the control collection's indexes; continuing");
     }
     // Pauses in force before the first claim, so a starting instance claims none of them.
+    let control = Arc::new(ControlState::default());
     match store.bounded("read pauses", store.read_control()).await {
         Ok(snapshot) => {
-            store.control_state.set(snapshot);
+            control.set(snapshot);
         }
         Err(e) => {
             tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
@@ -191,6 +193,7 @@ async fn start(
         "control",
         ok(crate::controlwatch::watch(
             store.clone(),
+            control.clone(),
             config.dispatch.poll_interval,
             wake.clone(),
             shutdown.clone(),
@@ -208,6 +211,7 @@ async fn start(
     let dispatcher = Dispatcher::new(
         config.clone(),
         store,
+        control,
         publisher,
         health.clone(),
         shutdown.clone(),

@@ -17,6 +17,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics as m;
+use crate::census::CensusState;
 use crate::store::Store;
 
 /// How often stuck locks are looked for and the census gauges refreshed.
@@ -31,13 +32,16 @@ pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) 
     let every = CENSUS_INTERVAL.min(interval);
     let mut census = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     census.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // What the census remembers between passes: the stuck records and when each was first
+    // seen, the records already named, the last warning about another dispatcher.
+    let state = CensusState::default();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = reap.tick() => pass(&store).await,
             _ = census.tick() => {
-                free_stuck(&store).await;
-                take_census(&store).await;
+                free_stuck(&store, &state).await;
+                take_census(&store, &state).await;
             }
         }
     }
@@ -65,11 +69,11 @@ pub async fn pass(store: &Store) {
 }
 
 /// Frees the records locked with no lease expiry for a whole lease.
-async fn free_stuck(store: &Store) {
+async fn free_stuck(store: &Store, state: &CensusState) {
     match store
         .bounded(
             "free stuck locks",
-            Store::timed("reap", store.free_stuck(store.lock_lease())),
+            Store::timed("reap", store.free_stuck(state, store.lock_lease())),
         )
         .await
     {
@@ -87,9 +91,12 @@ async fn free_stuck(store: &Store) {
     }
 }
 
-async fn take_census(store: &Store) {
+async fn take_census(store: &Store, state: &CensusState) {
     match store
-        .bounded("take the census", Store::timed("census", store.census()))
+        .bounded(
+            "take the census",
+            Store::timed("census", store.census(state)),
+        )
         .await
     {
         Ok(c) => {

@@ -23,7 +23,6 @@ use crate::record::{Decoding, TimeoutRecord, field};
 use crate::shapes::ShapeCache;
 use crate::window::ReadWindow;
 
-pub use crate::census::{Census, Stats};
 pub use crate::claim::{Candidates, Claim, ClaimedRow};
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
@@ -70,9 +69,6 @@ pub struct Store {
     pub(crate) head: Arc<crate::head::PausedHead>,
     lock_lease: Duration,
     pub(crate) shapes: Arc<ShapeCache>,
-    pub(crate) census_state: Arc<crate::census::CensusState>,
-    /// The pauses and ramps in force, as the control watcher last read them.
-    pub(crate) control_state: Arc<crate::control::ControlState>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
     /// The write concern and read preference the URI set, for [`Store::durability_risks`].
@@ -135,8 +131,6 @@ impl Store {
             head: Arc::default(),
             lock_lease: crate::config::DispatchConfig::default().lock_lease,
             shapes: Arc::new(ShapeCache::default()),
-            census_state: Arc::default(),
-            control_state: Arc::default(),
             op_timeout: config.operation_timeout,
             write_concern,
             selection,

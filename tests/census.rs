@@ -55,12 +55,16 @@ async fn a_stuck_lock_is_freed_only_after_a_whole_lease_keeping_its_shape() {
     nulled.insert("Locked", true); // LockExpiresAt: null
     env.insert(vec![stuck.clone(), nulled]).await;
     let store = store_with(&env.config()).await;
+    let census = timeoutd::census::CensusState::default();
     assert_eq!(
-        store.free_stuck(Duration::from_secs(3_600)).await.unwrap(),
+        store
+            .free_stuck(&census, Duration::from_secs(3_600))
+            .await
+            .unwrap(),
         0
     );
     assert_eq!(env.count(doc! { "Locked": true }).await, 2, "not yet");
-    assert_eq!(store.free_stuck(Duration::ZERO).await.unwrap(), 2);
+    assert_eq!(store.free_stuck(&census, Duration::ZERO).await.unwrap(), 2);
     let mut free = stuck;
     free.insert("Locked", false);
     let now = env

@@ -12,7 +12,7 @@ impl Dispatcher {
     /// Takes in the latest pauses and ramps; on a change, releases what this instance holds
     /// of a destination paused now. Never awaits.
     pub(super) fn apply_control(&mut self) {
-        let latest = self.store.control_state();
+        let latest = self.control_state.get();
         if Arc::ptr_eq(&latest, &self.control) {
             return;
         }

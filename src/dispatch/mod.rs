@@ -138,6 +138,8 @@ pub struct Dispatcher {
     failed: Option<String>,
     /// The pauses and ramps last applied ([`control`]).
     control: Arc<crate::control::Snapshot>,
+    /// Where the control watcher leaves the latest pauses and ramps.
+    control_state: Arc<crate::control::ControlState>,
     limits: crate::ratelimit::RateLimits,
 }
 
@@ -145,6 +147,7 @@ impl Dispatcher {
     pub fn new(
         config: Arc<Config>,
         store: Store,
+        control_state: Arc<crate::control::ControlState>,
         publisher: Publisher,
         health: Arc<Health>,
         shutdown: CancellationToken,
@@ -176,6 +179,7 @@ impl Dispatcher {
             settling: 0,
             failed: None,
             control: Arc::default(),
+            control_state,
             limits,
         }
     }
