@@ -11,7 +11,7 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use serde::Serialize;
 
-use crate::due::{self, Shape};
+use crate::record::due::{self, Shape};
 use crate::lease;
 use crate::record::{TimeoutRecord, display_id, field};
 use crate::store::{Store, StoreError};

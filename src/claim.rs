@@ -1,5 +1,5 @@
 //! The claim: steps 1 to 6 of the lease protocol. Reads the due records of each `Time` shape
-//! present (one index range each, see [`crate::due`]), merges them by true instant, takes
+//! present (one index range each, see [`crate::record::due`]), merges them by true instant, takes
 //! them with the compare-and-swap `updateMany`, and reads back what a racing instance left.
 
 use std::future::IntoFuture;
@@ -46,7 +46,7 @@ impl ClaimedRow {
 pub struct Candidates {
     /// Due by this instant (now plus the look-ahead, when read).
     horizon: DateTime,
-    shapes: Vec<crate::due::Shape>,
+    shapes: Vec<crate::record::due::Shape>,
     excluded: Vec<String>,
     docs: Vec<Document>,
     ids: Vec<Bson>,

@@ -15,8 +15,8 @@ use bson::{Bson, DateTime, Document, doc};
 use uuid::Uuid;
 
 use crate::config::UuidRepresentation;
-use crate::due::{self, Shape};
-use crate::guid;
+use crate::record::due::{self, Shape};
+use crate::record::guid;
 use crate::record::field;
 
 /// A claim's owner and the instant its lease runs out (server clock).

@@ -16,7 +16,7 @@ use futures::TryStreamExt;
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::due::Shape;
+use crate::record::due::Shape;
 use crate::lease;
 use crate::record::{TimeoutRecord, display_id, field};
 use crate::store::{Store, StoreError};
@@ -120,7 +120,7 @@ pub fn is_free(d: &Document, now: DateTime) -> bool {
 /// How a stored document is listed, at `now`; `retrying` when it has failed sends counted.
 pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> Listed {
     let due = TimeoutRecord::decode_due(d, store.encoding());
-    let owner = d.get(field::LOCKED_BY).and_then(crate::guid::from_bson);
+    let owner = d.get(field::LOCKED_BY).and_then(crate::record::guid::from_bson);
     let (state, lease_end) = match (is_free(d, now), lock_of(d)) {
         (false, Some(Some(end))) if retrying => (State::Retrying, Some(end)),
         (false, Some(Some(end))) => (State::Leased, Some(end)),
@@ -143,7 +143,7 @@ pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> L
         },
         correlation_id: d
             .get(field::PROCESS_MANAGER_ID)
-            .and_then(crate::guid::from_bson)
+            .and_then(crate::record::guid::from_bson)
             .map(|u| u.to_string()),
         due: due.and_then(show_instant),
         state,
@@ -160,7 +160,7 @@ pub fn field_clauses(destination: Option<&str>, correlation_id: Option<Uuid>) ->
     }
     if let Some(c) = correlation_id {
         clauses.push(
-            doc! { field::PROCESS_MANAGER_ID: { "$in": crate::guid::both_forms(c).to_vec() } },
+            doc! { field::PROCESS_MANAGER_ID: { "$in": crate::record::guid::both_forms(c).to_vec() } },
         );
     }
     clauses
@@ -173,7 +173,7 @@ fn due_range(shape: Shape, after: Option<DateTime>, before: Option<DateTime>) ->
         Shape::Date => Bson::DateTime(t),
         Shape::Ticks(o) => Bson::Int64(
             crate::record::ms_to_ticks(t.timestamp_millis())
-                .saturating_add(i64::from(o).saturating_mul(crate::due::TICKS_PER_MINUTE)),
+                .saturating_add(i64::from(o).saturating_mul(crate::record::due::TICKS_PER_MINUTE)),
         ),
     };
     let mut range = Document::new();

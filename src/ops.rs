@@ -20,7 +20,7 @@ use uuid::Uuid;
 use crate::listing::{Listed, describe, field_clauses, is_free, show_instant};
 use crate::record::field;
 use crate::store::{Store, StoreError};
-use crate::{due, lease};
+use crate::{record::due, lease};
 
 /// Most records one `cancel` or `reschedule` by correlation id acts on.
 pub const MAX_SELECTED: i64 = 10_000;
@@ -58,7 +58,7 @@ impl Selector {
             Selector::Ids(ids) => {
                 let forms: Vec<Bson> = ids
                     .iter()
-                    .flat_map(|u| crate::guid::both_forms(*u))
+                    .flat_map(|u| crate::record::guid::both_forms(*u))
                     .collect();
                 doc! { field::ID: { "$in": forms } }
             }
@@ -111,7 +111,7 @@ impl Store {
             Selector::Ids(ids) => {
                 let found: Vec<Uuid> = docs
                     .iter()
-                    .filter_map(|d| d.get(field::ID).and_then(crate::guid::from_bson))
+                    .filter_map(|d| d.get(field::ID).and_then(crate::record::guid::from_bson))
                     .collect();
                 let unknown: Vec<String> = ids
                     .iter()

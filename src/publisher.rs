@@ -16,7 +16,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 use crate::config::RabbitConfig;
 use tokio_util::sync::CancellationToken;
 
-use crate::message::OutgoingMessage;
+use crate::record::message::OutgoingMessage;
 
 /// What can go wrong connecting to RabbitMQ.
 #[derive(Debug, thiserror::Error)]
@@ -160,7 +160,7 @@ impl Publisher {
             Some((conn, _)) if conn.configuration().frame_max() > 0 => {
                 conn.configuration().frame_max()
             }
-            _ => crate::message::DEFAULT_FRAME_MAX,
+            _ => crate::record::message::DEFAULT_FRAME_MAX,
         }
     }
 

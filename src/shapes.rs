@@ -1,5 +1,5 @@
 //! Which `Time` shapes the collection holds, so that the due query has one branch per shape
-//! present and no more ([`crate::due`]).
+//! present and no more ([`crate::record::due`]).
 //!
 //! Learned with index-served reads: whether any date-shaped `Time` exists (a read of the date
 //! index), and `distinct("Time.1")`, the offsets of the `[ticks, offset]` records (MongoDB
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use bson::{Bson, Document, doc};
 
 use crate::config::TimeEncoding;
-use crate::due::{self, Shape};
+use crate::record::due::{self, Shape};
 use crate::record::field;
 use crate::store::{Store, StoreError};
 

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use crate::clock::ServerClock;
 use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
-use crate::due::Shape;
+use crate::record::due::Shape;
 use crate::lease;
 use crate::record::{Decoding, TimeoutRecord, field};
 use crate::shapes::ShapeCache;

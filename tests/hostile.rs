@@ -13,7 +13,7 @@ use common::fleet::{Daemon, http_get};
 use common::hostile::{Fate, record_path, seeded_bytes, timeout_document};
 use common::*;
 use timeoutd::config::TimeEncoding;
-use timeoutd::message::DEFAULT_FRAME_MAX;
+use timeoutd::record::message::DEFAULT_FRAME_MAX;
 
 #[test]
 fn generated_records_never_panic_and_are_either_sendable_or_parked() {

@@ -10,7 +10,7 @@ use bson::{Bson, doc};
 use common::*;
 use futures::TryStreamExt;
 use timeoutd::clock::ServerClock;
-use timeoutd::due::Shape;
+use timeoutd::record::due::Shape;
 use timeoutd::store::{Claim, Store, StoreError};
 use uuid::Uuid;
 

@@ -7,7 +7,7 @@ use bson::spec::BinarySubtype;
 use bson::{Bson, DateTime, doc};
 use lapin::types::AMQPValue;
 use timeoutd::config::{MessageIdMode, RabbitConfig};
-use timeoutd::message::*;
+use timeoutd::record::message::*;
 use timeoutd::record::TimeoutRecord;
 use uuid::Uuid;
 

@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use timeoutd::config::{RabbitConfig, TimeEncoding, UuidRepresentation};
-use timeoutd::message;
+use timeoutd::record::message;
 use timeoutd::record::{Decoding, TimeoutRecord, normalize_headers};
 
 fuzz_target!(|data: &[u8]| {

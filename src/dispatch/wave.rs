@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, LinkWork, WaveSignals};
 use crate::lease::PrePublish;
-use crate::message::{self, OutgoingMessage};
+use crate::record::message::{self, OutgoingMessage};
 use crate::metrics as m;
 use crate::parking::ParkReason;
 use crate::publisher::{PublishError, SendOutcome};

@@ -284,7 +284,7 @@ pub fn record_path(
     encoding: timeoutd::config::TimeEncoding,
     frame_max: u32,
 ) -> std::result::Result<Fate, String> {
-    use timeoutd::message::{self, Unsendable};
+    use timeoutd::record::message::{self, Unsendable};
     let run = || {
         let record = timeoutd::record::TimeoutRecord::decode(doc, encoding);
         let record = match timeoutd::dispatch::triage(record) {
@@ -308,14 +308,14 @@ pub fn record_path(
 
 /// The message satisfies what AMQP and ServiceConnect's receivers require.
 pub fn check_protocol(
-    m: &timeoutd::message::OutgoingMessage,
+    m: &timeoutd::record::message::OutgoingMessage,
     frame_max: u32,
 ) -> std::result::Result<(), String> {
     use lapin::types::AMQPValue;
     if m.routing_key.is_empty() || m.routing_key.len() > 255 {
         return Err(format!("routing key of {} bytes", m.routing_key.len()));
     }
-    let size = timeoutd::message::header_frame_size(&m.properties);
+    let size = timeoutd::record::message::header_frame_size(&m.properties);
     if size > frame_max as usize {
         return Err(format!(
             "content header of {size} bytes past frame_max {frame_max}"

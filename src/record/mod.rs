@@ -4,11 +4,14 @@
 //! Decoding never panics: anything unexpected becomes a [`DecodeError`] naming the field, and
 //! the record is left for a later poll (or parked, once parking exists).
 
+pub mod due;
+pub mod guid;
+pub mod message;
+
 use bson::{Bson, DateTime, Document};
 use uuid::Uuid;
 
 use crate::config::{TimeEncoding, UuidRepresentation};
-use crate::{due, guid};
 
 /// Field names of the ServiceConnect document. The record must never gain other fields.
 pub mod field {
@@ -56,7 +59,7 @@ pub fn uuid_bson(id: Uuid) -> Bson {
 }
 
 /// Reads a GUID stored as Binary subtype 4 or as subtype 3 in the C# legacy byte order, as
-/// .NET prints it (see [`crate::guid`]).
+/// .NET prints it (see [`crate::record::guid`]).
 pub fn bson_uuid(value: &Bson) -> Option<Uuid> {
     guid::from_bson(value)
 }
@@ -82,7 +85,7 @@ const DISCRIMINATED_VALUE: &str = "_v";
 
 /// Stored header values with the C# driver's discriminated form (`{_t, _v}`, used for
 /// `object`-typed values such as the `byte[]` headers that arrived from RabbitMQ) unwrapped
-/// to their `_v`, so that [`crate::message`] formats the value itself.
+/// to their `_v`, so that [`crate::record::message`] formats the value itself.
 pub fn normalize_headers(headers: &Document) -> Document {
     headers
         .iter()
@@ -132,7 +135,7 @@ pub struct TimeoutRecord {
     pub process_manager_id: Uuid,
     /// The due instant (UTC).
     pub due: DateTime,
-    /// Custom headers, `{_t, _v}` values unwrapped; [`crate::message`] turns them into AMQP
+    /// Custom headers, `{_t, _v}` values unwrapped; [`crate::record::message`] turns them into AMQP
     /// strings. Empty when `forward_headers` is off.
     pub headers: Document,
 }
