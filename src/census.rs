@@ -12,7 +12,7 @@ use futures::TryStreamExt;
 use serde::Serialize;
 
 use crate::record::due::{self, Shape};
-use crate::lease;
+use crate::store::lease;
 use crate::record::{TimeoutRecord, display_id, field};
 use crate::store::{Store, StoreError};
 

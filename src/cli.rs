@@ -15,9 +15,9 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::clock::ServerClock;
+use crate::store::clock::ServerClock;
 use crate::config::{Config, LogFormat};
-use crate::parking::Requeued;
+use crate::store::parking::Requeued;
 use crate::record::{TimeoutRecord, display_id};
 use crate::redact::{RedactingWriter, redact_text};
 use crate::store::{Store, server_time_in};

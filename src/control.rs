@@ -182,7 +182,7 @@ impl Store {
             "user": &actor.user,
             "reason": reason.map_or(Bson::Null, |r| Bson::String(r.to_string())),
             "details": details,
-            "expire_at": crate::lease::add(now, AUDIT_RETENTION),
+            "expire_at": crate::store::lease::add(now, AUDIT_RETENTION),
         };
         self.query(self.control.insert_one(entry)).await?;
         Ok(())
@@ -238,7 +238,7 @@ impl Store {
             )
             .await?;
         if let Some(ramp) = ramp.filter(|r| !r.is_zero()) {
-            let until = crate::lease::add(now, ramp);
+            let until = crate::store::lease::add(now, ramp);
             let doc = doc! {
                 "_id": ramp_id(destination),
                 "kind": "ramp",
@@ -336,7 +336,7 @@ impl Store {
         let mut out = Vec::new();
         for p in self.pauses().await? {
             let mine = doc! { crate::record::field::DESTINATION: &p.destination };
-            let due = crate::lease::all_of([crate::lease::due_by(now, &shapes), mine.clone()]);
+            let due = crate::store::lease::all_of([crate::store::lease::due_by(now, &shapes), mine.clone()]);
             let due = self.query(self.coll.count_documents(due)).await?;
             let all = match total {
                 true => Some(self.query(self.coll.count_documents(mine)).await?),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::clock::ServerClock;
+use crate::store::clock::ServerClock;
 use crate::config::Config;
 use crate::control::ControlState;
 use crate::dispatch::Dispatcher;

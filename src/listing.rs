@@ -2,7 +2,7 @@
 //!
 //! One query per `Time` shape the collection holds, each on that shape's due index, in due
 //! order and limited to `--limit`, merged by true instant (the way a claim reads, see
-//! [`crate::claim`]): the rows read and the memory used are bounded by the limit, whatever
+//! [`crate::store::claim`]): the rows read and the memory used are bounded by the limit, whatever
 //! the size of the collection. The filters become clauses of those queries; `--due-before`
 //! and `--due-after` become bounds of the index range.
 //!
@@ -17,7 +17,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::record::due::Shape;
-use crate::lease;
+use crate::store::lease;
 use crate::record::{TimeoutRecord, display_id, field};
 use crate::store::{Store, StoreError};
 
@@ -310,7 +310,7 @@ impl Store {
         filter: &ListFilter,
         limit: u32,
     ) -> Result<Vec<Listed>, StoreError> {
-        use crate::parking::parked_field::{PARKED_AT, RECORD};
+        use crate::store::parking::parked_field::{PARKED_AT, RECORD};
         let mut clauses = vec![doc! {}];
         for c in field_clauses(filter.destination.as_deref(), filter.correlation_id) {
             clauses.push(

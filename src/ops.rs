@@ -1,14 +1,14 @@
 //! Operator actions on single records: `cancel` and `reschedule`.
 //!
 //! Both touch a record only while it is free, by the rules a claim uses
-//! ([`crate::lease::claimable`]: not locked, or locked with a lease that has run out), and
+//! ([`crate::store::lease::claimable`]: not locked, or locked with a lease that has run out), and
 //! put that rule into the write's own filter. A write and a claim's compare-and-swap are each
 //! atomic on the document, so one of them wins and the other matches nothing: a record an
 //! instance has claimed (to send it now, or to hold it until its instant within the
 //! look-ahead, or to retry it later) is under a live lease and is left as it is, and a record
 //! cancelled or moved first is never sent as it was. An instance whose lease ran out while it
 //! still held a record does not send it either: it checks the lease before each publish
-//! ([`crate::lease::Lease::before_publish`]).
+//! ([`crate::store::lease::Lease::before_publish`]).
 
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ use uuid::Uuid;
 use crate::listing::{Listed, describe, field_clauses, is_free, show_instant};
 use crate::record::field;
 use crate::store::{Store, StoreError};
-use crate::{record::due, lease};
+use crate::{record::due, store::lease};
 
 /// Most records one `cancel` or `reschedule` by correlation id acts on.
 pub const MAX_SELECTED: i64 = 10_000;

@@ -43,7 +43,7 @@ pub async fn run(
                                 .full_document
                                 .as_ref()
                                 .and_then(|d| TimeoutRecord::decode_due(d, store.encoding()));
-                            let soon = crate::lease::add(store.clock().now(), look_ahead);
+                            let soon = crate::store::lease::add(store.clock().now(), look_ahead);
                             if due.is_some_and(|due| due <= soon) {
                                 wake.notify_one();
                             }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bson::{Bson, doc};
 use common::*;
 use futures::TryStreamExt;
-use timeoutd::clock::ServerClock;
+use timeoutd::store::clock::ServerClock;
 use timeoutd::record::due::Shape;
 use timeoutd::store::{Claim, Store, StoreError};
 use uuid::Uuid;
@@ -308,7 +308,7 @@ async fn due_query_scans_timeoutds_index_in_order_and_stops_at_the_batch() {
         .run_command(doc! {
             "explain": {
                 "find": "Timeouts",
-                "filter": timeoutd::lease::due_within(now, None, now, &[Shape::Ticks(0)]),
+                "filter": timeoutd::store::lease::due_within(now, None, now, &[Shape::Ticks(0)]),
                 "sort": Shape::Ticks(0).sort(),
                 "limit": batch,
                 "projection": { "_id": 1, "Time": 1 },
@@ -425,7 +425,7 @@ async fn a_slice_of_the_due_range_holds_only_claimable_records_within_both_bound
     env.insert(docs).await;
     let now = s.clock().now();
     for (lo, hi) in [(2, 6), (0, 9), (7, 7)] {
-        let filter = timeoutd::lease::due_within(now, Some(dues[lo]), dues[hi], &[Shape::Ticks(0)]);
+        let filter = timeoutd::store::lease::due_within(now, Some(dues[lo]), dues[hi], &[Shape::Ticks(0)]);
         let found: HashSet<Uuid> = env
             .coll
             .find(filter)

@@ -91,7 +91,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use mongodb::{Client, Collection};
 use serde::Serialize;
 use serde_json::{Value, json};
-use timeoutd::clock::ServerClock;
+use timeoutd::store::clock::ServerClock;
 use timeoutd::config::{MongoConfig, RabbitConfig};
 use timeoutd::record::guid;
 use timeoutd::record::message::{self, OutgoingMessage};

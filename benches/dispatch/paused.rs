@@ -12,7 +12,7 @@ use anyhow::{Result, bail};
 use bson::Document;
 use mongodb::Collection;
 use serde_json::json;
-use timeoutd::clock::ServerClock;
+use timeoutd::store::clock::ServerClock;
 use timeoutd::config::TimeEncoding;
 use timeoutd::store::Store;
 

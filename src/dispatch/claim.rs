@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, Ready};
 use crate::metrics as m;
-use crate::parking::ParkReason;
+use crate::store::parking::ParkReason;
 use crate::record::TimeoutRecord;
 use crate::store::{Claim, StoreError};
 use crate::supervisor::panic_message;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bson::{Bson, DateTime, Document};
 
-use crate::lease::Lease;
+use crate::store::lease::Lease;
 use crate::record::TimeoutRecord;
 
 /// A claimed record ready to send: its stored `_id` (what every guarded write matches), the

@@ -4,7 +4,7 @@
 //! One record's path, start to end:
 //! 1. **Claim** ([`Dispatcher::start_claim`], a background task): a batch of records due now
 //!    or within the look-ahead is leased under a fresh owner ([`crate::store`],
-//!    [`crate::lease`]). [`Event::Claimed`] hands the rows to [`Dispatcher::on_claimed`]: a
+//!    [`crate::store::lease`]). [`Event::Claimed`] hands the rows to [`Dispatcher::on_claimed`]: a
 //!    record that does not decode, or has no destination, is parked at once; the rest wait in
 //!    [`Held`], soonest first.
 //! 2. **Wave** ([`Dispatcher::start_wave`]): when records fall due ([`Event::Due`]) they are
@@ -437,7 +437,7 @@ impl Dispatcher {
         self.release(held, reason);
     }
 
-    pub(super) fn release(&mut self, held: Vec<(Bson, crate::lease::Lease)>, reason: &'static str) {
+    pub(super) fn release(&mut self, held: Vec<(Bson, crate::store::lease::Lease)>, reason: &'static str) {
         for work in Settle::releases(held, reason).into_iter().rev() {
             self.settle_queue.push_front(work);
         }

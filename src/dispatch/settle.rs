@@ -12,9 +12,9 @@ use super::held::Ready;
 use crate::backoff::Backoff;
 use crate::config::RetryConfig;
 use crate::health::Health;
-use crate::lease::Lease;
+use crate::store::lease::Lease;
 use crate::metrics as m;
-use crate::parking::{ParkReason, Parked};
+use crate::store::parking::{ParkReason, Parked};
 use crate::publisher::SendOutcome;
 use crate::record::{TimeoutRecord, display_id};
 use crate::store::Store;
@@ -154,7 +154,7 @@ async fn retry_or_park(store: &Store, retry: &RetryConfig, r: Ready, outcome: Se
         return;
     }
     let wait = retry.delay_after(attempts);
-    let until = crate::lease::add(store.clock().now(), wait);
+    let until = crate::store::lease::add(store.clock().now(), wait);
     match store
         .bounded("defer a retry", parking.defer(&r.id, owner, until))
         .await
@@ -173,7 +173,7 @@ async fn retry_or_park(store: &Store, retry: &RetryConfig, r: Ready, outcome: Se
     }
 }
 
-/// Moves a record to the parking collection (see [`crate::parking`]).
+/// Moves a record to the parking collection (see [`crate::store::parking`]).
 async fn park(
     store: &Store,
     id: &Bson,

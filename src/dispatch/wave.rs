@@ -8,10 +8,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, LinkWork, WaveSignals};
-use crate::lease::PrePublish;
+use crate::store::lease::PrePublish;
 use crate::record::message::{self, OutgoingMessage};
 use crate::metrics as m;
-use crate::parking::ParkReason;
+use crate::store::parking::ParkReason;
 use crate::publisher::{PublishError, SendOutcome};
 
 impl Dispatcher {

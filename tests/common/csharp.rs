@@ -6,7 +6,7 @@ use std::time::SystemTime;
 
 use bson::spec::BinarySubtype;
 use bson::{Binary, Bson, DateTime, Document, doc};
-use timeoutd::clock::ServerClock;
+use timeoutd::store::clock::ServerClock;
 use timeoutd::config::Config;
 use timeoutd::store::Store;
 use uuid::Uuid;

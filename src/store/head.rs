@@ -15,7 +15,7 @@
 //! dropped every [`FULL_READ_EVERY`], and whenever the set of destinations left out changes:
 //! such a record waits at most that long, and only while something is left out. Nothing here
 //! is a lease rule: every record read is still claimed by the compare-and-swap of
-//! [`crate::lease`].
+//! [`crate::store::lease`].
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -13,7 +13,7 @@
 //! from the start, so no record is passed over for good.
 //!
 //! Nothing here is a lease rule: the window only decides what a claim looks at. Every record
-//! it reads is still claimed by the compare-and-swap of [`crate::lease`].
+//! it reads is still claimed by the compare-and-swap of [`crate::store::lease`].
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! `LockExpiresAt = now + lease`. Every later write on a claimed record (delete after a
 //! confirmed publish, release after a failed one) is guarded by owner *and* live lease, so a
 //! worker whose lease expired can never delete or free a record another worker now holds.
-//! All instants are the database server's clock ([`crate::clock::ServerClock`]), put into the
+//! All instants are the database server's clock ([`crate::store::clock::ServerClock`]), put into the
 //! queries as literal values so that indexes serve them and every server accepts them.
 //!
 //! This module only builds filters and decides; [`crate::store`] runs the queries.
@@ -101,7 +101,7 @@ pub fn due_after(t: DateTime, shapes: &[Shape]) -> Document {
 }
 
 /// Due by `horizon` (`now` plus the look-ahead), and no earlier than `from` when set (a
-/// slice of the due range, see [`crate::window`]), and claimable at `now`: what a claim
+/// slice of the due range, see [`crate::store::window`]), and claimable at `now`: what a claim
 /// takes. Records due after `now` are held under the lease and sent at their due instant.
 ///
 /// One query per shape serves best (each branch is one index range, oldest first); a list of

@@ -1,8 +1,17 @@
 //! The store: the ServiceConnect `Timeouts` collection in MongoDB.
 //!
-//! Runs the queries that [`crate::lease`] defines: claim a batch, remove or release what a
+//! Runs the queries that [`crate::store::lease`] defines: claim a batch, remove or release what a
 //! claim holds, reap expired leases, count for `stats`, insert for `schedule`. It only ever
 //! `$set`s the three lock fields of an existing record and deletes by `_id`.
+
+pub mod claim;
+pub mod clock;
+pub mod durability;
+pub mod head;
+pub mod lease;
+pub mod parking;
+pub mod shapes;
+pub mod window;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -15,15 +24,14 @@ use mongodb::options::{Acknowledgment, ClientOptions, IndexOptions};
 use mongodb::{Client, Collection, Database, IndexModel};
 use uuid::Uuid;
 
-use crate::clock::ServerClock;
+use crate::store::clock::ServerClock;
 use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
 use crate::record::due::Shape;
-use crate::lease;
 use crate::record::{Decoding, TimeoutRecord, field};
-use crate::shapes::ShapeCache;
-use crate::window::ReadWindow;
+use crate::store::shapes::ShapeCache;
+use crate::store::window::ReadWindow;
 
-pub use crate::claim::{Candidates, Claim, ClaimedRow};
+pub use crate::store::claim::{Candidates, Claim, ClaimedRow};
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
 /// `timeoutd_due` (`{"Time.0": 1}`, before offsets were served) is no longer used: drop it.
@@ -65,8 +73,8 @@ pub struct Store {
     pub(crate) decoding: Decoding,
     pub(crate) clock: ServerClock,
     pub(crate) window: Arc<ReadWindow>,
-    /// Where claims start reading while destinations are left out ([`crate::head`]).
-    pub(crate) head: Arc<crate::head::PausedHead>,
+    /// Where claims start reading while destinations are left out ([`crate::store::head`]).
+    pub(crate) head: Arc<crate::store::head::PausedHead>,
     lock_lease: Duration,
     pub(crate) shapes: Arc<ShapeCache>,
     /// Deadline of every single call ([`Store::bounded`]).
@@ -180,8 +188,8 @@ impl Store {
         false
     }
 
-    pub fn parking(&self) -> crate::parking::Parking {
-        crate::parking::Parking::new(
+    pub fn parking(&self) -> crate::store::parking::Parking {
+        crate::store::parking::Parking::new(
             self.coll.clone(),
             self.parked.clone(),
             self.attempts.clone(),
@@ -232,10 +240,10 @@ impl Store {
     }
 
     /// The settings that would let a failover undo a lease write or a read miss one, on the
-    /// deployment the server describes (see [`crate::durability`]).
+    /// deployment the server describes (see [`crate::store::durability`]).
     pub async fn durability_risks(&self) -> Result<Vec<String>, StoreError> {
         let hello = self.db.run_command(doc! { "hello": 1 }).await?;
-        Ok(crate::durability::risks(
+        Ok(crate::store::durability::risks(
             &hello,
             self.write_concern.as_ref(),
             self.selection.as_ref(),
@@ -484,7 +492,7 @@ impl Store {
     }
 
     /// The `Time` shapes the due query covers now (learned from the collection, refreshed in
-    /// the background; see [`crate::shapes`]).
+    /// the background; see [`crate::store::shapes`]).
     pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
         self.shapes.current(self).await
     }

@@ -18,8 +18,8 @@ use mongodb::options::{IndexOptions, ReturnDocument};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::clock::ServerClock;
-use crate::lease;
+use crate::store::clock::ServerClock;
+use crate::store::lease;
 use crate::record::{display_id, field};
 use crate::store::StoreError;
 

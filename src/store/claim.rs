@@ -8,10 +8,10 @@ use std::time::Duration;
 use bson::{Bson, DateTime, Document};
 use futures::TryStreamExt;
 
-use crate::lease::{self, Lease};
+use crate::store::lease::{self, Lease};
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
 use crate::store::{Store, StoreError};
-use crate::window;
+use crate::store::window;
 
 /// One record of a claim: its raw `_id` (what every guarded write matches) and the decoded
 /// record, or why it could not be decoded.
@@ -94,7 +94,7 @@ impl Store {
     ///
     /// Alone, an instance takes the oldest due records. After a claim that lost records to a
     /// racing instance it reads a random slice of the backlog instead, so that concurrent
-    /// claims mostly take different records ([`crate::window`]).
+    /// claims mostly take different records ([`crate::store::window`]).
     ///
     /// Leaves no destination out: pauses are the control's concern, and the dispatch loop,
     /// which obeys them, names what to leave out ([`Store::claim_except`]).
@@ -128,7 +128,7 @@ impl Store {
     ///
     /// Alone, an instance reads the oldest due records. After a claim that lost records to a
     /// racing instance it reads a random slice of the backlog instead, so that concurrent
-    /// claims mostly take different records ([`crate::window`]).
+    /// claims mostly take different records ([`crate::store::window`]).
     pub async fn candidates(
         &self,
         batch_size: u32,
@@ -138,11 +138,11 @@ impl Store {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
         // While a backlog drains, read only about one batch past the last one, or a random
-        // slice after meeting a racing instance (see `crate::window`).
+        // slice after meeting a racing instance (see `crate::store::window`).
         let slice = rand::random_range(0..window::SLICES);
         let range = self.window.range(lease::add(now, look_ahead), slice);
         // Past the due records of the destinations left out, when a read from the start
-        // found where the others begin (see `crate::head`).
+        // found where the others begin (see `crate::store::head`).
         let from = match (range.from, self.head.start(excluded)) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
