@@ -21,7 +21,7 @@ use crate::store::parking::Requeued;
 use crate::record::{TimeoutRecord, display_id};
 use crate::redact::{RedactingWriter, redact_text};
 use crate::store::{Store, server_time_in};
-use crate::{daemon, shutdown};
+use crate::{daemon, service::shutdown};
 
 /// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
 #[derive(Debug, Parser)]

@@ -14,12 +14,12 @@ use crate::store::clock::ServerClock;
 use crate::config::Config;
 use crate::control::ControlState;
 use crate::dispatch::Dispatcher;
-use crate::health::Health;
+use crate::service::health::Health;
 use crate::metrics as m;
 use crate::publisher::Publisher;
 use crate::store::{Store, StoreError};
-use crate::supervisor::{Supervisor, TaskFailed};
-use crate::{http, reaper, systemd, wakeup};
+use crate::service::supervisor::{Supervisor, TaskFailed};
+use crate::{service::http, reaper, service::systemd, wakeup};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
@@ -45,7 +45,7 @@ pub enum DaemonError {
 
 /// Runs the daemon until `shutdown` is cancelled. Fails on what retrying cannot fix (an
 /// invalid URI, an unacknowledged write concern, a port in use) and when an essential task
-/// stops (see [`crate::supervisor`]).
+/// stops (see [`crate::service::supervisor`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
     run_with(config, ServerClock::default(), shutdown, |_| {}).await
 }

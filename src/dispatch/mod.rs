@@ -41,12 +41,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::config::Config;
-use crate::health::Health;
+use crate::service::health::Health;
 use crate::metrics as m;
 use crate::publisher::{PublishError, Publisher, SendOutcome};
 use crate::record::TimeoutRecord;
 use crate::store::{Claim, Store, StoreError};
-use crate::supervisor::panic_message;
+use crate::service::supervisor::panic_message;
 use claim::WaveSignals;
 pub use claim::triage;
 pub use held::{ClaimSchedule, Held, Ready};

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use super::held::Ready;
 use crate::backoff::Backoff;
 use crate::config::RetryConfig;
-use crate::health::Health;
+use crate::service::health::Health;
 use crate::store::lease::Lease;
 use crate::metrics as m;
 use crate::store::parking::{ParkReason, Parked};

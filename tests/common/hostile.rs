@@ -301,7 +301,7 @@ pub fn record_path(
     std::panic::catch_unwind(run).unwrap_or_else(|p| {
         Err(format!(
             "the record path panicked: {}",
-            timeoutd::supervisor::panic_message(p.as_ref())
+            timeoutd::service::supervisor::panic_message(p.as_ref())
         ))
     })
 }

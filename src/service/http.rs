@@ -13,7 +13,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::health::Health;
+use crate::service::health::Health;
 
 /// Buckets of `timeoutd_dispatch_lateness_seconds`: 1 ms to 10 min.
 pub const LATENESS_BUCKETS: &[f64] = &[

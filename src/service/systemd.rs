@@ -8,7 +8,7 @@ use std::time::Duration;
 use sd_notify::NotifyState;
 use tokio_util::sync::CancellationToken;
 
-use crate::health::Health;
+use crate::service::health::Health;
 
 /// How often readiness is checked before `READY=1` is sent.
 const READY_CHECK: Duration = Duration::from_millis(100);

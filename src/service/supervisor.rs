@@ -17,7 +17,7 @@ use futures::FutureExt;
 use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::health::Health;
+use crate::service::health::Health;
 use crate::metrics as m;
 
 /// An essential task that ended when it should not have.
