@@ -1,15 +1,15 @@
 //! Pausing and resuming destinations on the command line (`pause`, `resume`, `paused`), and
 //! `stats` with the paused destinations' backlog. Each action is logged with who ran it and
-//! recorded in the control collection ([`crate::control`]).
+//! recorded in the control collection ([`crate::operator::control`]).
 
 use std::time::Duration;
 
 use bson::{DateTime, doc};
 use clap::Args;
 
-use crate::control::Actor;
-use crate::listing::show_instant;
-use crate::ops::OpsError;
+use crate::operator::control::Actor;
+use crate::operator::listing::show_instant;
+use crate::operator::ops::OpsError;
 use crate::opscli::{parse_destination, parse_instant};
 use crate::store::Store;
 

@@ -1,5 +1,5 @@
 //! The daemon task that keeps each instance obeying the control collection
-//! ([`crate::control`]): it reads the pauses and ramps every poll interval, and at once when
+//! ([`crate::operator::control`]): it reads the pauses and ramps every poll interval, and at once when
 //! the collection's change stream (where the server has one) reports a write.
 
 use std::sync::Arc;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::control::ControlState;
+use crate::operator::control::ControlState;
 use crate::store::Store;
 
 /// How long to wait before opening the control collection's change stream again.

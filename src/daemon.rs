@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::store::clock::ServerClock;
 use crate::config::Config;
-use crate::control::ControlState;
+use crate::operator::control::ControlState;
 use crate::dispatch::Dispatcher;
 use crate::service::health::Health;
 use crate::metrics as m;

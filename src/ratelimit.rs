@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::config::DispatchConfig;
-use crate::control::Ramp;
+use crate::operator::control::Ramp;
 
 /// Records per second at the start of a resume ramp.
 pub const TRICKLE: f64 = 1.0;

@@ -137,9 +137,9 @@ pub struct Dispatcher {
     settling: usize,
     failed: Option<String>,
     /// The pauses and ramps last applied ([`control`]).
-    control: Arc<crate::control::Snapshot>,
+    control: Arc<crate::operator::control::Snapshot>,
     /// Where the control watcher leaves the latest pauses and ramps.
-    control_state: Arc<crate::control::ControlState>,
+    control_state: Arc<crate::operator::control::ControlState>,
     limits: crate::ratelimit::RateLimits,
 }
 
@@ -147,7 +147,7 @@ impl Dispatcher {
     pub fn new(
         config: Arc<Config>,
         store: Store,
-        control_state: Arc<crate::control::ControlState>,
+        control_state: Arc<crate::operator::control::ControlState>,
         publisher: Publisher,
         health: Arc<Health>,
         shutdown: CancellationToken,

@@ -17,7 +17,7 @@ use futures::TryStreamExt;
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::listing::{Listed, describe, field_clauses, is_free, show_instant};
+use crate::operator::listing::{Listed, describe, field_clauses, is_free, show_instant};
 use crate::record::field;
 use crate::store::{Store, StoreError};
 use crate::{record::due, store::lease};

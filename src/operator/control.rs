@@ -23,7 +23,7 @@ use mongodb::IndexModel;
 use mongodb::options::IndexOptions;
 use serde::Serialize;
 
-use crate::listing::show_instant;
+use crate::operator::listing::show_instant;
 use crate::store::{Store, StoreError};
 
 /// How long audit entries are kept.
