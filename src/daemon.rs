@@ -19,7 +19,7 @@ use crate::metrics as m;
 use crate::publisher::Publisher;
 use crate::store::{Store, StoreError};
 use crate::service::supervisor::{Supervisor, TaskFailed};
-use crate::{service::http, reaper, service::systemd, wakeup};
+use crate::{service::http, maintenance::reaper, service::systemd, wakeup};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
@@ -191,7 +191,7 @@ async fn start(
     let wake = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(
         "control",
-        ok(crate::controlwatch::watch(
+        ok(crate::maintenance::controlwatch::watch(
             store.clone(),
             control.clone(),
             config.dispatch.poll_interval,
@@ -277,7 +277,7 @@ async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken)
     loop {
         let counts = Store::timed("backlog", async {
             tokio::try_join!(
-                store.backlog(crate::census::BACKLOG_COUNTED_UP_TO),
+                store.backlog(crate::maintenance::census::BACKLOG_COUNTED_UP_TO),
                 parking.count()
             )
         });

@@ -32,20 +32,18 @@
 //! - [`cli`], the command line.
 
 pub mod backoff;
-pub mod census;
 pub mod cli;
 pub mod config;
 pub mod controlcli;
-pub mod controlwatch;
 pub mod daemon;
 pub mod deadline;
 pub mod dispatch;
+pub mod maintenance;
 pub mod metrics;
 pub mod operator;
 pub mod opscli;
 pub mod publisher;
 pub mod ratelimit;
-pub mod reaper;
 pub mod record;
 pub mod redact;
 pub mod service;

@@ -55,7 +55,7 @@ async fn a_stuck_lock_is_freed_only_after_a_whole_lease_keeping_its_shape() {
     nulled.insert("Locked", true); // LockExpiresAt: null
     env.insert(vec![stuck.clone(), nulled]).await;
     let store = store_with(&env.config()).await;
-    let census = timeoutd::census::CensusState::default();
+    let census = timeoutd::maintenance::census::CensusState::default();
     assert_eq!(
         store
             .free_stuck(&census, Duration::from_secs(3_600))

@@ -10,7 +10,7 @@
 //!   [`AUDIT_RETENTION`]).
 //!
 //! Every instance reads the pauses and ramps every poll interval, and at once when the
-//! collection changes ([`crate::controlwatch`]), into [`ControlState`], which the dispatch
+//! collection changes ([`crate::maintenance::controlwatch`]), into [`ControlState`], which the dispatch
 //! loop consults: it names the paused destinations to each claim.
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! Counting for operators: `stats`, the backlog gauges, and the census of records nothing
 //! will fire on its own: `Time` of a shape the setting does not serve (unschedulable), and
 //! `Locked: true` without a lease expiry (stuck, left by ServiceConnect's own poller). The
-//! reaper ([`crate::reaper`]) takes the census and frees stuck records.
+//! reaper ([`crate::maintenance::reaper`]) takes the census and frees stuck records.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
