@@ -16,10 +16,10 @@ use crate::operator::control::ControlState;
 use crate::dispatch::Dispatcher;
 use crate::service::health::Health;
 use crate::metrics as m;
-use crate::publisher::Publisher;
+use crate::dispatch::publisher::Publisher;
 use crate::store::{Store, StoreError};
 use crate::service::supervisor::{Supervisor, TaskFailed};
-use crate::{service::http, maintenance::reaper, service::systemd, wakeup};
+use crate::{service::http, maintenance::reaper, service::systemd, dispatch::wakeup};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
@@ -33,7 +33,7 @@ pub enum DaemonError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
-    Publish(#[from] crate::publisher::PublishError),
+    Publish(#[from] crate::dispatch::publisher::PublishError),
     #[error("cannot listen on http.listen {addr}: {source}")]
     Listen {
         addr: SocketAddr,

@@ -1,6 +1,6 @@
 //! What operators decide, applied by the dispatch loop: pauses (a paused destination's held
 //! records are released and none of its records is claimed or sent) and send-rate limits
-//! (a record that finds no token waits, held, until one comes; see [`crate::ratelimit`]).
+//! (a record that finds no token waits, held, until one comes; see [`crate::dispatch::ratelimit`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -27,6 +27,9 @@ mod control;
 mod held;
 mod settle;
 mod wave;
+pub mod publisher;
+pub mod ratelimit;
+pub mod wakeup;
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -43,7 +46,7 @@ use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::service::health::Health;
 use crate::metrics as m;
-use crate::publisher::{PublishError, Publisher, SendOutcome};
+use crate::dispatch::publisher::{PublishError, Publisher, SendOutcome};
 use crate::record::TimeoutRecord;
 use crate::store::{Claim, Store, StoreError};
 use crate::service::supervisor::panic_message;
@@ -140,7 +143,7 @@ pub struct Dispatcher {
     control: Arc<crate::operator::control::Snapshot>,
     /// Where the control watcher leaves the latest pauses and ramps.
     control_state: Arc<crate::operator::control::ControlState>,
-    limits: crate::ratelimit::RateLimits,
+    limits: crate::dispatch::ratelimit::RateLimits,
 }
 
 impl Dispatcher {
@@ -154,7 +157,7 @@ impl Dispatcher {
         wake: Arc<Notify>,
     ) -> Self {
         let poll = config.dispatch.poll_interval;
-        let limits = crate::ratelimit::RateLimits::new(&config.dispatch);
+        let limits = crate::dispatch::ratelimit::RateLimits::new(&config.dispatch);
         Self {
             config,
             store,

@@ -15,7 +15,7 @@ use crate::service::health::Health;
 use crate::store::lease::Lease;
 use crate::metrics as m;
 use crate::store::parking::{ParkReason, Parked};
-use crate::publisher::SendOutcome;
+use crate::dispatch::publisher::SendOutcome;
 use crate::record::{TimeoutRecord, display_id};
 use crate::store::Store;
 

@@ -12,7 +12,7 @@ use crate::store::lease::PrePublish;
 use crate::record::message::{self, OutgoingMessage};
 use crate::metrics as m;
 use crate::store::parking::ParkReason;
-use crate::publisher::{PublishError, SendOutcome};
+use crate::dispatch::publisher::{PublishError, SendOutcome};
 
 impl Dispatcher {
     pub(super) fn on_connected(&mut self, result: Result<(), PublishError>) {

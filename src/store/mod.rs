@@ -457,7 +457,7 @@ impl Store {
         Ok(r.modified_count)
     }
 
-    /// A change stream of the inserts into the collection (for [`crate::wakeup`]).
+    /// A change stream of the inserts into the collection (for [`crate::dispatch::wakeup`]).
     pub async fn watch_inserts(
         &self,
     ) -> Result<mongodb::change_stream::ChangeStream<ChangeStreamEvent<Document>>, StoreError> {
