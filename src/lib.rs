@@ -34,14 +34,11 @@
 pub mod backoff;
 pub mod cli;
 pub mod config;
-pub mod controlcli;
-pub mod daemon;
 pub mod deadline;
 pub mod dispatch;
 pub mod maintenance;
 pub mod metrics;
 pub mod operator;
-pub mod opscli;
 pub mod record;
 pub mod redact;
 pub mod service;

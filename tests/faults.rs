@@ -733,7 +733,7 @@ async fn a_skewed_clock_steals_no_lease() {
     b_config.reaper.interval = Some(Duration::from_millis(200));
     let stop_b = CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let b = tokio::spawn(timeoutd::daemon::run_with(
+    let b = tokio::spawn(timeoutd::cli::daemon::run_with(
         b_config,
         ServerClock::with_local_skew_ms(skew_ms),
         stop_b.clone(),

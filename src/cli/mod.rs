@@ -1,9 +1,13 @@
 //! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`,
-//! and the operator commands of [`crate::opscli`] (`list`, `cancel`, `reschedule`, `pause`,
+//! and the operator commands of [`crate::cli::opscli`] (`list`, `cancel`, `reschedule`, `pause`,
 //! `resume`, `paused`).
 //!
 //! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments (an
 //! unknown id, a malformed instant), 3 records under a live lease were left as they are.
+
+pub mod controlcli;
+pub mod daemon;
+pub mod opscli;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,7 +25,7 @@ use crate::store::parking::Requeued;
 use crate::record::{TimeoutRecord, display_id};
 use crate::redact::{RedactingWriter, redact_text};
 use crate::store::{Store, server_time_in};
-use crate::{daemon, service::shutdown};
+use crate::service::shutdown;
 
 /// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
 #[derive(Debug, Parser)]
@@ -71,18 +75,18 @@ pub enum Command {
     },
     /// Timeouts, soonest first: id, destination, correlation id, due instant, state, and the
     /// owner and lease end of a leased one.
-    List(crate::opscli::ListArgs),
+    List(crate::cli::opscli::ListArgs),
     /// Delete timeouts that are not being sent (records under a live lease are left and
     /// reported; exit 3 unless --skip-leased).
-    Cancel(crate::opscli::Which),
+    Cancel(crate::cli::opscli::Which),
     /// Move the due instant of timeouts that are not being sent, in each record's own
     /// encoding (records under a live lease are left and reported; exit 3 unless
     /// --skip-leased).
-    Reschedule(crate::opscli::RescheduleArgs),
+    Reschedule(crate::cli::opscli::RescheduleArgs),
     /// Stop every instance claiming a destination's timeouts (within one poll interval).
-    Pause(crate::controlcli::PauseArgs),
+    Pause(crate::cli::controlcli::PauseArgs),
     /// End a destination's pause, optionally ramping its rate up.
-    Resume(crate::controlcli::ResumeArgs),
+    Resume(crate::cli::controlcli::ResumeArgs),
     /// The paused destinations.
     Paused {
         /// Print JSON instead of text.
@@ -164,7 +168,7 @@ pub fn main(cli: Cli) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let shown = redact_text(&format!("{e:#}"));
-            let code = crate::opscli::exit_code(&e);
+            let code = crate::cli::opscli::exit_code(&e);
             if code == 1 {
                 tracing::error!("{shown}");
             }
@@ -301,7 +305,7 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             .await
         }
         Command::Stats { json } => {
-            with_store(&config, async |s| crate::controlcli::stats(s, json).await).await
+            with_store(&config, async |s| crate::cli::controlcli::stats(s, json).await).await
         }
         Command::Reap => {
             let freed = with_store(&config, async |store| {
@@ -314,21 +318,21 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Parked { action } => {
             with_store(&config, async |store| parked(action, store).await).await
         }
-        Command::List(a) => with_store(&config, async |s| crate::opscli::list(s, a).await).await,
+        Command::List(a) => with_store(&config, async |s| crate::cli::opscli::list(s, a).await).await,
         Command::Cancel(w) => {
-            with_store(&config, async |s| crate::opscli::cancel(s, w).await).await
+            with_store(&config, async |s| crate::cli::opscli::cancel(s, w).await).await
         }
         Command::Reschedule(a) => {
-            with_store(&config, async |s| crate::opscli::reschedule(s, a).await).await
+            with_store(&config, async |s| crate::cli::opscli::reschedule(s, a).await).await
         }
         Command::Pause(a) => {
-            with_store(&config, async |s| crate::controlcli::pause(s, a).await).await
+            with_store(&config, async |s| crate::cli::controlcli::pause(s, a).await).await
         }
         Command::Resume(a) => {
-            with_store(&config, async |s| crate::controlcli::resume(s, a).await).await
+            with_store(&config, async |s| crate::cli::controlcli::resume(s, a).await).await
         }
         Command::Paused { json } => {
-            with_store(&config, async |s| crate::controlcli::paused(s, json).await).await
+            with_store(&config, async |s| crate::cli::controlcli::paused(s, json).await).await
         }
     }
 }

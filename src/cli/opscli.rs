@@ -1,5 +1,5 @@
 //! The operator commands on the command line: `list`, `cancel`, `reschedule` (and, in
-//! [`crate::controlcli`], `pause`, `resume`, `paused`). Each action that changes something is
+//! [`crate::cli::controlcli`], `pause`, `resume`, `paused`). Each action that changes something is
 //! logged with who ran it and recorded in the control collection ([`crate::operator::control`]).
 //!
 //! Exit codes: 0 done; 1 a runtime failure; 2 bad input (an unknown id, a malformed instant,

@@ -10,7 +10,7 @@ use clap::Args;
 use crate::operator::control::Actor;
 use crate::operator::listing::show_instant;
 use crate::operator::ops::OpsError;
-use crate::opscli::{parse_destination, parse_instant};
+use crate::cli::opscli::{parse_destination, parse_instant};
 use crate::store::Store;
 
 /// `timeoutd pause`.
@@ -114,7 +114,7 @@ pub async fn paused(store: &Store, json: bool) -> anyhow::Result<()> {
         println!(
             "{}  since={}  until={}  by={}  reason={}",
             p.destination,
-            crate::opscli::dash(&p.since),
+            crate::cli::opscli::dash(&p.since),
             p.until.as_deref().unwrap_or("resumed"),
             p.by,
             if p.reason.is_empty() { "-" } else { &p.reason }
