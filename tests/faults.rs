@@ -23,8 +23,8 @@ use common::fleet::{Daemon, DeliveryCounter, http_get, idle_metrics, series, var
 use common::proxy::{Mode, Proxy, host_port};
 use common::*;
 use futures::TryStreamExt;
-use timeoutd::store::clock::ServerClock;
 use timeoutd::config::Config;
+use timeoutd::store::clock::ServerClock;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 

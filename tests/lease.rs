@@ -9,8 +9,8 @@ use std::time::Duration;
 use bson::{Bson, doc};
 use common::*;
 use futures::TryStreamExt;
-use timeoutd::store::clock::ServerClock;
 use timeoutd::record::due::Shape;
+use timeoutd::store::clock::ServerClock;
 use timeoutd::store::{Claim, Store, StoreError};
 use uuid::Uuid;
 
@@ -425,7 +425,8 @@ async fn a_slice_of_the_due_range_holds_only_claimable_records_within_both_bound
     env.insert(docs).await;
     let now = s.clock().now();
     for (lo, hi) in [(2, 6), (0, 9), (7, 7)] {
-        let filter = timeoutd::store::lease::due_within(now, Some(dues[lo]), dues[hi], &[Shape::Ticks(0)]);
+        let filter =
+            timeoutd::store::lease::due_within(now, Some(dues[lo]), dues[hi], &[Shape::Ticks(0)]);
         let found: HashSet<Uuid> = env
             .coll
             .find(filter)

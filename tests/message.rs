@@ -7,8 +7,8 @@ use bson::spec::BinarySubtype;
 use bson::{Bson, DateTime, doc};
 use lapin::types::AMQPValue;
 use timeoutd::config::{MessageIdMode, RabbitConfig};
-use timeoutd::record::message::*;
 use timeoutd::record::TimeoutRecord;
+use timeoutd::record::message::*;
 use uuid::Uuid;
 
 fn header(m: &OutgoingMessage, k: &str) -> Option<String> {

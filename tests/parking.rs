@@ -427,9 +427,9 @@ async fn returns_are_matched_to_their_own_messages_in_a_pipelined_batch() {
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeue_never_deletes_a_parked_copy_made_again_meanwhile() {
+    use timeoutd::store::Store;
     use timeoutd::store::clock::ServerClock;
     use timeoutd::store::parking::{ParkReason, Parked, Requeued};
-    use timeoutd::store::Store;
 
     let env = TestEnv::new().await;
     let store = Store::connect(&env.config().mongodb, ServerClock::default())

@@ -12,9 +12,9 @@ use anyhow::{Result, bail};
 use bson::Document;
 use mongodb::Collection;
 use serde_json::json;
-use timeoutd::store::clock::ServerClock;
 use timeoutd::config::TimeEncoding;
 use timeoutd::store::Store;
+use timeoutd::store::clock::ServerClock;
 
 use super::{
     CLAIM_BATCH, ClaimMs, Ctx, INSERT_CHUNK, Row, Scen, env_parse, now_ms, percentile, record,

@@ -7,10 +7,10 @@ use std::time::Duration;
 use bson::{DateTime, doc};
 use clap::Args;
 
+use crate::cli::opscli::{parse_destination, parse_instant};
 use crate::operator::control::Actor;
 use crate::operator::listing::show_instant;
 use crate::operator::ops::OpsError;
-use crate::cli::opscli::{parse_destination, parse_instant};
 use crate::store::Store;
 
 /// `timeoutd pause`.

@@ -10,16 +10,16 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::store::clock::ServerClock;
 use crate::config::Config;
-use crate::operator::control::ControlState;
 use crate::dispatch::Dispatcher;
-use crate::service::health::Health;
-use crate::metrics as m;
 use crate::dispatch::publisher::Publisher;
-use crate::store::{Store, StoreError};
+use crate::metrics as m;
+use crate::operator::control::ControlState;
+use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
-use crate::{service::http, maintenance::reaper, service::systemd, dispatch::wakeup};
+use crate::store::clock::ServerClock;
+use crate::store::{Store, StoreError};
+use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);

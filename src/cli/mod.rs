@@ -19,13 +19,13 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::store::clock::ServerClock;
 use crate::config::{Config, LogFormat};
-use crate::store::parking::Requeued;
 use crate::record::{TimeoutRecord, display_id};
 use crate::redact::{RedactingWriter, redact_text};
-use crate::store::{Store, server_time_in};
 use crate::service::shutdown;
+use crate::store::clock::ServerClock;
+use crate::store::parking::Requeued;
+use crate::store::{Store, server_time_in};
 
 /// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
 #[derive(Debug, Parser)]
@@ -305,7 +305,10 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             .await
         }
         Command::Stats { json } => {
-            with_store(&config, async |s| crate::cli::controlcli::stats(s, json).await).await
+            with_store(&config, async |s| {
+                crate::cli::controlcli::stats(s, json).await
+            })
+            .await
         }
         Command::Reap => {
             let freed = with_store(&config, async |store| {
@@ -318,21 +321,32 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Parked { action } => {
             with_store(&config, async |store| parked(action, store).await).await
         }
-        Command::List(a) => with_store(&config, async |s| crate::cli::opscli::list(s, a).await).await,
+        Command::List(a) => {
+            with_store(&config, async |s| crate::cli::opscli::list(s, a).await).await
+        }
         Command::Cancel(w) => {
             with_store(&config, async |s| crate::cli::opscli::cancel(s, w).await).await
         }
         Command::Reschedule(a) => {
-            with_store(&config, async |s| crate::cli::opscli::reschedule(s, a).await).await
+            with_store(&config, async |s| {
+                crate::cli::opscli::reschedule(s, a).await
+            })
+            .await
         }
         Command::Pause(a) => {
             with_store(&config, async |s| crate::cli::controlcli::pause(s, a).await).await
         }
         Command::Resume(a) => {
-            with_store(&config, async |s| crate::cli::controlcli::resume(s, a).await).await
+            with_store(&config, async |s| {
+                crate::cli::controlcli::resume(s, a).await
+            })
+            .await
         }
         Command::Paused { json } => {
-            with_store(&config, async |s| crate::cli::controlcli::paused(s, json).await).await
+            with_store(&config, async |s| {
+                crate::cli::controlcli::paused(s, json).await
+            })
+            .await
         }
     }
 }

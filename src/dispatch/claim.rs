@@ -10,10 +10,10 @@ use tokio_util::sync::CancellationToken;
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, Ready};
 use crate::metrics as m;
-use crate::store::parking::ParkReason;
 use crate::record::TimeoutRecord;
-use crate::store::{Claim, StoreError};
 use crate::service::supervisor::panic_message;
+use crate::store::parking::ParkReason;
+use crate::store::{Claim, StoreError};
 
 /// Whether a claimed record can wait for its instant and be sent, or is parked at once with
 /// a reason (it does not decode, or names no destination). The message itself is built, and

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use bson::{Bson, DateTime, Document};
 
-use crate::store::lease::Lease;
 use crate::record::TimeoutRecord;
+use crate::store::lease::Lease;
 
 /// A claimed record ready to send: its stored `_id` (what every guarded write matches), the
 /// stored document (for parking it as it was), the decoded record and its claim's lease.

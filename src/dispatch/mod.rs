@@ -25,11 +25,11 @@
 mod claim;
 mod control;
 mod held;
-mod settle;
-mod wave;
 pub mod publisher;
 pub mod ratelimit;
+mod settle;
 pub mod wakeup;
+mod wave;
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -44,12 +44,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::config::Config;
-use crate::service::health::Health;
-use crate::metrics as m;
 use crate::dispatch::publisher::{PublishError, Publisher, SendOutcome};
+use crate::metrics as m;
 use crate::record::TimeoutRecord;
-use crate::store::{Claim, Store, StoreError};
+use crate::service::health::Health;
 use crate::service::supervisor::panic_message;
+use crate::store::{Claim, Store, StoreError};
 use claim::WaveSignals;
 pub use claim::triage;
 pub use held::{ClaimSchedule, Held, Ready};
@@ -440,7 +440,11 @@ impl Dispatcher {
         self.release(held, reason);
     }
 
-    pub(super) fn release(&mut self, held: Vec<(Bson, crate::store::lease::Lease)>, reason: &'static str) {
+    pub(super) fn release(
+        &mut self,
+        held: Vec<(Bson, crate::store::lease::Lease)>,
+        reason: &'static str,
+    ) {
         for work in Settle::releases(held, reason).into_iter().rev() {
             self.settle_queue.push_front(work);
         }

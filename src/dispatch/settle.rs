@@ -11,13 +11,13 @@ use uuid::Uuid;
 use super::held::Ready;
 use crate::backoff::Backoff;
 use crate::config::RetryConfig;
-use crate::service::health::Health;
-use crate::store::lease::Lease;
-use crate::metrics as m;
-use crate::store::parking::{ParkReason, Parked};
 use crate::dispatch::publisher::SendOutcome;
+use crate::metrics as m;
 use crate::record::{TimeoutRecord, display_id};
+use crate::service::health::Health;
 use crate::store::Store;
+use crate::store::lease::Lease;
+use crate::store::parking::{ParkReason, Parked};
 
 /// Why a record is being parked, and after how many failed sends.
 #[derive(Debug, Clone)]

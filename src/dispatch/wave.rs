@@ -8,11 +8,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, LinkWork, WaveSignals};
-use crate::store::lease::PrePublish;
-use crate::record::message::{self, OutgoingMessage};
-use crate::metrics as m;
-use crate::store::parking::ParkReason;
 use crate::dispatch::publisher::{PublishError, SendOutcome};
+use crate::metrics as m;
+use crate::record::message::{self, OutgoingMessage};
+use crate::store::lease::PrePublish;
+use crate::store::parking::ParkReason;
 
 impl Dispatcher {
     pub(super) fn on_connected(&mut self, result: Result<(), PublishError>) {

@@ -12,8 +12,8 @@ use futures::TryStreamExt;
 use serde::Serialize;
 
 use crate::record::due::{self, Shape};
-use crate::store::lease;
 use crate::record::{TimeoutRecord, display_id, field};
+use crate::store::lease;
 use crate::store::{Store, StoreError};
 
 /// At most this many unschedulable records are named in the logs per census (each once).

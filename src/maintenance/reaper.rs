@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics as m;
 use crate::maintenance::census::CensusState;
+use crate::metrics as m;
 use crate::store::Store;
 
 /// How often stuck locks are looked for and the census gauges refreshed.

@@ -17,8 +17,8 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::record::due::Shape;
-use crate::store::lease;
 use crate::record::{TimeoutRecord, display_id, field};
+use crate::store::lease;
 use crate::store::{Store, StoreError};
 
 /// The most rows one `list` returns, whatever `--limit` says.
@@ -120,7 +120,9 @@ pub fn is_free(d: &Document, now: DateTime) -> bool {
 /// How a stored document is listed, at `now`; `retrying` when it has failed sends counted.
 pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> Listed {
     let due = TimeoutRecord::decode_due(d, store.encoding());
-    let owner = d.get(field::LOCKED_BY).and_then(crate::record::guid::from_bson);
+    let owner = d
+        .get(field::LOCKED_BY)
+        .and_then(crate::record::guid::from_bson);
     let (state, lease_end) = match (is_free(d, now), lock_of(d)) {
         (false, Some(Some(end))) if retrying => (State::Retrying, Some(end)),
         (false, Some(Some(end))) => (State::Leased, Some(end)),

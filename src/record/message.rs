@@ -286,8 +286,8 @@ pub fn build_contained(
         build(record, rabbit, now, frame_max)
     }))
     .unwrap_or_else(|panic| {
-        Err(Unsendable::Panicked(crate::service::supervisor::panic_message(
-            panic.as_ref(),
-        )))
+        Err(Unsendable::Panicked(
+            crate::service::supervisor::panic_message(panic.as_ref()),
+        ))
     })
 }

@@ -17,8 +17,8 @@ use futures::FutureExt;
 use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::service::health::Health;
 use crate::metrics as m;
+use crate::service::health::Health;
 
 /// An essential task that ended when it should not have.
 #[derive(Debug, Clone, thiserror::Error)]

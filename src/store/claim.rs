@@ -8,10 +8,10 @@ use std::time::Duration;
 use bson::{Bson, DateTime, Document};
 use futures::TryStreamExt;
 
-use crate::store::lease::{self, Lease};
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
-use crate::store::{Store, StoreError};
+use crate::store::lease::{self, Lease};
 use crate::store::window;
+use crate::store::{Store, StoreError};
 
 /// One record of a claim: its raw `_id` (what every guarded write matches) and the decoded
 /// record, or why it could not be decoded.

@@ -16,8 +16,8 @@ use uuid::Uuid;
 
 use crate::config::UuidRepresentation;
 use crate::record::due::{self, Shape};
-use crate::record::guid;
 use crate::record::field;
+use crate::record::guid;
 
 /// A claim's owner and the instant its lease runs out (server clock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,10 +24,10 @@ use mongodb::options::{Acknowledgment, ClientOptions, IndexOptions};
 use mongodb::{Client, Collection, Database, IndexModel};
 use uuid::Uuid;
 
-use crate::store::clock::ServerClock;
 use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
 use crate::record::due::Shape;
 use crate::record::{Decoding, TimeoutRecord, field};
+use crate::store::clock::ServerClock;
 use crate::store::shapes::ShapeCache;
 use crate::store::window::ReadWindow;
 

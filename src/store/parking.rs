@@ -18,10 +18,10 @@ use mongodb::options::{IndexOptions, ReturnDocument};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::store::clock::ServerClock;
-use crate::store::lease;
 use crate::record::{display_id, field};
 use crate::store::StoreError;
+use crate::store::clock::ServerClock;
+use crate::store::lease;
 
 /// How long a failed-send count is kept after its last failure. A record that was sent in
 /// the end leaves its count behind; MongoDB's TTL monitor removes it after this.

@@ -6,9 +6,9 @@ use std::time::SystemTime;
 
 use bson::spec::BinarySubtype;
 use bson::{Binary, Bson, DateTime, Document, doc};
-use timeoutd::store::clock::ServerClock;
 use timeoutd::config::Config;
 use timeoutd::store::Store;
+use timeoutd::store::clock::ServerClock;
 use uuid::Uuid;
 
 use super::{Received, ticks, v7_record};

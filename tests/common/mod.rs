@@ -457,7 +457,9 @@ pub fn start(config: Config) -> Running {
     let token = tokio_util::sync::CancellationToken::new();
     let t = token.clone();
     let task = tokio::spawn(async move {
-        timeoutd::cli::daemon::run(config, t).await.expect("daemon run");
+        timeoutd::cli::daemon::run(config, t)
+            .await
+            .expect("daemon run");
     });
     Running { token, task }
 }
