@@ -1,0 +1,239 @@
+use super::*;
+
+#[test]
+fn defaults_are_valid_and_reaper_defaults_to_quarter_lease() {
+    let c = Config::from_toml("").unwrap();
+    assert_eq!(c, Config::default());
+    assert_eq!(c.reaper_interval(), Duration::from_secs(75));
+}
+
+#[test]
+fn shape_settings_parse() {
+    let c = Config::from_toml(
+        "[mongodb]\ntime_encoding = \"date\"\nuuid_representation = \"csharp-legacy\"\n[rabbitmq]\nforward_headers = false",
+    )
+    .unwrap();
+    assert_eq!(c.mongodb.time_encoding, TimeEncoding::Date);
+    assert_eq!(
+        c.mongodb.uuid_representation,
+        UuidRepresentation::CsharpLegacy
+    );
+    assert!(!c.rabbitmq.forward_headers);
+    let d = Config::default();
+    assert_eq!(d.mongodb.time_encoding, TimeEncoding::Auto);
+    assert_eq!(d.mongodb.database, "RMessageBusPersistantStore");
+    assert!(d.rabbitmq.forward_headers);
+}
+
+#[test]
+fn durations_parse_humanely() {
+    let c = Config::from_toml(
+        "[dispatch]\npoll_interval = \"250ms\"\nlock_lease = \"5m\"\n[reaper]\ninterval = \"10s\"",
+    )
+    .unwrap();
+    assert_eq!(c.dispatch.poll_interval, Duration::from_millis(250));
+    assert_eq!(c.reaper_interval(), Duration::from_secs(10));
+}
+
+fn keys_of(text: &str) -> Vec<String> {
+    Config::from_toml(text)
+        .unwrap_err()
+        .problems
+        .into_iter()
+        .map(|p| p.key)
+        .collect()
+}
+
+#[test]
+fn each_rule_names_its_key() {
+    assert_eq!(
+        keys_of("[dispatch]\nbatch_size = 0"),
+        ["dispatch.batch_size"]
+    );
+    assert_eq!(
+        keys_of("[dispatch]\nbatch_size = -5"),
+        ["dispatch.batch_size"]
+    );
+    assert_eq!(
+        keys_of("[dispatch]\npoll_interval = \"0s\""),
+        ["dispatch.poll_interval"]
+    );
+    assert_eq!(
+        keys_of("[dispatch]\npoll_interval = \"-1s\""),
+        ["dispatch.poll_interval"]
+    );
+    assert_eq!(
+        keys_of("[dispatch]\nlock_lease = \"3s\"\nlease_safety_margin = \"2s\""),
+        ["dispatch.lock_lease"]
+    );
+    assert_eq!(keys_of("[dispatch]\nbogus = 1"), ["dispatch.bogus"]);
+    assert_eq!(keys_of("[nosuch]\nx = 1"), ["nosuch"]);
+    assert_eq!(
+        keys_of("[mongodb]\ntime_encoding = \"unix\""),
+        ["mongodb.time_encoding"]
+    );
+    assert_eq!(
+        keys_of("[mongodb]\nuuid_representation = \"java-legacy\""),
+        ["mongodb.uuid_representation"]
+    );
+    assert_eq!(
+        keys_of("[rabbitmq]\nforward_headers = \"no\""),
+        ["rabbitmq.forward_headers"]
+    );
+    assert_eq!(
+        keys_of("[rabbitmq]\nmessage_id = \"sometimes\""),
+        ["rabbitmq.message_id"]
+    );
+    assert_eq!(keys_of("[log]\nformat = \"xml\""), ["log.format"]);
+    assert_eq!(keys_of("[reaper]\ninterval = \"0ms\""), ["reaper.interval"]);
+    assert_eq!(keys_of("[rabbitmq]\nuri = \"http://x\""), ["rabbitmq.uri"]);
+    assert_eq!(keys_of("[http]\nlisten = \"nope\""), ["http.listen"]);
+    assert_eq!(
+        keys_of("[mongodb]\nuri = \"mongodb://h/?retryWrites=true&w=0\""),
+        ["mongodb.uri"]
+    );
+}
+
+/// One case per validation rule that the test above does not cover.
+#[test]
+fn every_other_rule_names_its_key() {
+    let cases = [
+        (
+            "[dispatch]\nshutdown_timeout = \"0s\"",
+            "dispatch.shutdown_timeout",
+        ),
+        (
+            "[dispatch]\nlease_safety_margin = \"0s\"",
+            "dispatch.lease_safety_margin",
+        ),
+        (
+            "[rabbitmq]\npublish_timeout = \"0s\"",
+            "rabbitmq.publish_timeout",
+        ),
+        ("[mongodb]\nuri = \"\"", "mongodb.uri"),
+        ("[mongodb]\nuri = \"postgres://h\"", "mongodb.uri"),
+        ("[mongodb]\ndatabase = \" \"", "mongodb.database"),
+        ("[mongodb]\ncollection = \"\"", "mongodb.collection"),
+        (
+            "[mongodb]\nparked_collection = \"\"",
+            "mongodb.parked_collection",
+        ),
+        (
+            "[mongodb]\nattempts_collection = \"\"",
+            "mongodb.attempts_collection",
+        ),
+        (
+            "[mongodb]\nparked_collection = \"Timeouts\"",
+            "mongodb.parked_collection",
+        ),
+        (
+            "[mongodb]\nuri_file = \"/nonexistent/uri\"",
+            "mongodb.uri_file",
+        ),
+        ("[rabbitmq]\nuri = \"\"", "rabbitmq.uri"),
+        (
+            "[rabbitmq]\nuri_file = \"/nonexistent/uri\"",
+            "rabbitmq.uri_file",
+        ),
+        (
+            "[rabbitmq]\nsource_address = \"\"",
+            "rabbitmq.source_address",
+        ),
+        (
+            "[rabbitmq]\nfull_type_name = \"\"",
+            "rabbitmq.full_type_name",
+        ),
+        ("[retry]\nbase = \"0s\"", "retry.base"),
+        ("[retry]\nbase = \"1m\"\ncap = \"10s\"", "retry.cap"),
+        ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
+        ("[retry]\nmax_attempts = -1", "retry.max_attempts"),
+        ("[retry]\nbogus = 1", "retry.bogus"),
+        ("[log]\nlevel = \"timeoutd=loud\"", "log.level"),
+        ("[http]\nlisten = \"127.0.0.1:99999\"", "http.listen"),
+    ];
+    for (text, key) in cases {
+        let keys = keys_of(text);
+        assert!(keys.iter().any(|k| k == key), "{text:?} gave {keys:?}");
+    }
+}
+
+#[test]
+fn uri_files_replace_inline_uris() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mongodb-uri");
+    std::fs::write(&file, "mongodb://u:from-file@db:27017\n").unwrap();
+    let c = Config::from_toml(&format!(
+        "[mongodb]\nuri = \"mongodb://inline\"\nuri_file = \"{}\"",
+        file.display()
+    ))
+    .unwrap();
+    assert_eq!(c.mongodb.uri, "mongodb://u:from-file@db:27017");
+    assert!(!c.to_redacted_toml().contains("from-file"));
+}
+
+#[test]
+fn rate_limits_parse_and_are_checked() {
+    let c = Config::from_toml(
+        "[dispatch]\nmax_rate = 500\n[[dispatch.destination]]\nname = \"billing\"\nmax_rate = 20.5\n",
+    )
+    .unwrap();
+    assert_eq!(c.dispatch.max_rate, Some(500.0));
+    assert_eq!(c.dispatch.destination[0].name, "billing");
+    assert_eq!(c.dispatch.destination[0].max_rate, 20.5);
+    assert_eq!(
+        Config::from_toml(&c.to_redacted_toml()).unwrap().dispatch,
+        c.dispatch
+    );
+    assert_eq!(keys_of("[dispatch]\nmax_rate = 0"), ["dispatch.max_rate"]);
+    assert_eq!(
+        keys_of("[[dispatch.destination]]\nname = \"\"\nmax_rate = 1"),
+        ["dispatch.destination[0].name"]
+    );
+    assert_eq!(
+        keys_of(
+            "[[dispatch.destination]]\nname = \"a\"\nmax_rate = 1\n[[dispatch.destination]]\nname = \"a\"\nmax_rate = -1"
+        ),
+        [
+            "dispatch.destination[1].name",
+            "dispatch.destination[1].max_rate"
+        ]
+    );
+    assert_eq!(
+        keys_of("[mongodb]\ncontrol_collection = \"Timeouts\""),
+        ["mongodb.control_collection"]
+    );
+}
+
+#[test]
+fn retry_delays_double_up_to_the_cap() {
+    let r = RetryConfig {
+        base: Duration::from_secs(5),
+        cap: Duration::from_secs(60),
+        max_attempts: 10,
+    };
+    let delays: Vec<u64> = (1..=6).map(|n| r.delay_after(n).as_secs()).collect();
+    assert_eq!(delays, [5, 10, 20, 40, 60, 60]);
+    assert_eq!(r.delay_after(u32::MAX), Duration::from_secs(60));
+}
+
+#[test]
+fn reports_all_validation_problems_at_once() {
+    let e = Config::from_toml(
+        "[dispatch]\nbatch_size = 0\nshutdown_timeout = \"0s\"\n[rabbitmq]\npublish_timeout = \"0s\"",
+    )
+    .unwrap_err();
+    assert_eq!(e.problems.len(), 3, "{e}");
+    assert_eq!(e.to_string().lines().count(), 3);
+}
+
+#[test]
+fn redacted_toml_hides_passwords_and_round_trips() {
+    let mut c = Config::default();
+    c.mongodb.uri = "mongodb://admin:hunter2@db:27017".into();
+    let text = c.to_redacted_toml();
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("admin:***@db"));
+    let back = Config::from_toml(&text).unwrap();
+    assert_eq!(back.reaper_interval(), c.reaper_interval());
+    assert_eq!(back.dispatch, c.dispatch);
+}

@@ -1,0 +1,252 @@
+//! The rules that reject a configuration that cannot work: every problem at once, each
+//! named by the dotted key it concerns.
+
+use std::fmt;
+
+use super::*;
+
+/// One problem found while loading or validating a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Dotted key, such as `dispatch.batch_size`; empty when the problem is not about one key.
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.key, self.message)
+        }
+    }
+}
+
+/// Every problem found in a configuration; displayed one per line.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ConfigError {
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "invalid configuration: {p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigError {
+    pub(super) fn one(key: &str, message: impl Into<String>) -> Self {
+        Self {
+            problems: vec![Problem {
+                key: key.into(),
+                message: message.into(),
+            }],
+        }
+    }
+}
+
+impl Config {
+    /// Checks every rule and returns all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let mut bad = |key: &str, message: String| {
+            problems.push(Problem {
+                key: key.into(),
+                message,
+            })
+        };
+        let d = &self.dispatch;
+        for (key, value) in [
+            ("dispatch.poll_interval", d.poll_interval),
+            ("dispatch.lock_lease", d.lock_lease),
+            ("dispatch.lease_safety_margin", d.lease_safety_margin),
+            ("dispatch.shutdown_timeout", d.shutdown_timeout),
+            ("rabbitmq.publish_timeout", self.rabbitmq.publish_timeout),
+            ("rabbitmq.connect_timeout", self.rabbitmq.connect_timeout),
+            ("mongodb.operation_timeout", self.mongodb.operation_timeout),
+        ] {
+            if value.is_zero() {
+                bad(key, "must be greater than zero".into());
+            }
+        }
+        if d.batch_size == 0 {
+            bad("dispatch.batch_size", "must be greater than zero".into());
+        }
+        let r = &self.retry;
+        for (key, value) in [("retry.base", r.base), ("retry.cap", r.cap)] {
+            if value.is_zero() {
+                bad(key, "must be greater than zero".into());
+            }
+        }
+        if r.cap < r.base {
+            bad("retry.cap", "must not be less than retry.base".into());
+        }
+        if r.max_attempts == 0 {
+            bad("retry.max_attempts", "must be at least 1".into());
+        }
+        let needed = d.lease_safety_margin + d.poll_interval + d.look_ahead();
+        if d.lock_lease <= needed {
+            bad(
+                "dispatch.lock_lease",
+                format!(
+                    "must be larger than dispatch.lease_safety_margin + dispatch.poll_interval + dispatch.look_ahead ({})",
+                    humantime::format_duration(needed)
+                ),
+            );
+        }
+        let positive = |r: f64| r.is_finite() && r > 0.0;
+        if d.max_rate.is_some_and(|r| !positive(r)) {
+            bad(
+                "dispatch.max_rate",
+                "must be a number of records a second above zero".into(),
+            );
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, limit) in d.destination.iter().enumerate() {
+            if limit.name.trim().is_empty() {
+                bad(
+                    &format!("dispatch.destination[{i}].name"),
+                    "must not be empty".into(),
+                );
+            } else if !names.insert(limit.name.as_str()) {
+                bad(
+                    &format!("dispatch.destination[{i}].name"),
+                    format!("`{}` is listed twice", limit.name),
+                );
+            }
+            if !positive(limit.max_rate) {
+                bad(
+                    &format!("dispatch.destination[{i}].max_rate"),
+                    "must be a number of records a second above zero".into(),
+                );
+            }
+        }
+        if let Some(i) = self.reaper.interval
+            && i.is_zero()
+        {
+            bad("reaper.interval", "must be greater than zero".into());
+        }
+        for (key, value) in [
+            ("mongodb.uri", &self.mongodb.uri),
+            ("mongodb.database", &self.mongodb.database),
+            ("mongodb.collection", &self.mongodb.collection),
+            (
+                "mongodb.parked_collection",
+                &self.mongodb.parked_collection(),
+            ),
+            (
+                "mongodb.attempts_collection",
+                &self.mongodb.attempts_collection(),
+            ),
+            (
+                "mongodb.control_collection",
+                &self.mongodb.control_collection(),
+            ),
+            ("rabbitmq.uri", &self.rabbitmq.uri),
+            ("rabbitmq.source_address", &self.rabbitmq.source_address),
+            ("rabbitmq.full_type_name", &self.rabbitmq.full_type_name),
+        ] {
+            if value.trim().is_empty() {
+                bad(key, "must not be empty".into());
+            }
+        }
+        let m = &self.mongodb;
+        if m.parked_collection() == m.collection
+            || m.attempts_collection() == m.collection
+            || m.parked_collection() == m.attempts_collection()
+        {
+            bad(
+                "mongodb.parked_collection",
+                "mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection must all differ".into(),
+            );
+        }
+        let control = m.control_collection();
+        if [
+            &m.collection,
+            &m.parked_collection(),
+            &m.attempts_collection(),
+        ]
+        .contains(&&control)
+        {
+            bad(
+                "mongodb.control_collection",
+                "must differ from mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection".into(),
+            );
+        }
+        if !has_scheme(&self.mongodb.uri, &["mongodb://", "mongodb+srv://"]) {
+            bad(
+                "mongodb.uri",
+                "must start with mongodb:// or mongodb+srv://".into(),
+            );
+        }
+        if uri_has_unacknowledged_write_concern(&self.mongodb.uri) {
+            bad(
+                "mongodb.uri",
+                "w=0 (unacknowledged writes) is refused: guarded deletes and releases would all look successful and lost leases would go unnoticed".into(),
+            );
+        }
+        let rq = &self.rabbitmq;
+        for (key, file) in [
+            ("mongodb.tls_ca_file", &m.tls_ca_file),
+            (
+                "mongodb.tls_certificate_key_file",
+                &m.tls_certificate_key_file,
+            ),
+            ("rabbitmq.tls_ca_file", &rq.tls_ca_file),
+            ("rabbitmq.tls_cert_file", &rq.tls_cert_file),
+            ("rabbitmq.tls_key_file", &rq.tls_key_file),
+        ] {
+            if let Some(path) = file
+                && let Err(e) = std::fs::metadata(path)
+            {
+                bad(key, format!("cannot read {}: {e}", path.display()));
+            }
+        }
+        if rq.tls_cert_file.is_some() != rq.tls_key_file.is_some() {
+            bad(
+                "rabbitmq.tls_key_file",
+                "rabbitmq.tls_cert_file and rabbitmq.tls_key_file go together".into(),
+            );
+        }
+        if !has_scheme(&self.rabbitmq.uri, &["amqp://", "amqps://"]) {
+            bad("rabbitmq.uri", "must start with amqp:// or amqps://".into());
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
+            bad(
+                "log.level",
+                format!(
+                    "`{}` is not a level or filter (trace, debug, info, warn, error)",
+                    self.log.level
+                ),
+            );
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems })
+        }
+    }
+}
+
+/// Whether `uri` is empty (reported separately) or starts with one of `schemes`.
+fn has_scheme(uri: &str, schemes: &[&str]) -> bool {
+    uri.is_empty() || schemes.iter().any(|s| uri.starts_with(s))
+}
+
+/// Whether a MongoDB URI asks for `w=0`.
+fn uri_has_unacknowledged_write_concern(uri: &str) -> bool {
+    let Some((_, query)) = uri.split_once('?') else {
+        return false;
+    };
+    query.split('&').any(|kv| {
+        kv.split_once('=')
+            .is_some_and(|(k, v)| k.eq_ignore_ascii_case("w") && v.trim() == "0")
+    })
+}
