@@ -1,12 +1,13 @@
-//! Metric names and the small functions that record them, through the `metrics` facade.
+//! Metric names and the small functions that record them ([`recording`]), through the `metrics` facade.
 //! Recording is a no-op until an exporter is installed. [`SERIES`] is the one list of every
 //! series, its HELP text and its known label values; [`describe_all`] gives each its HELP line
 //! and registers every counter, histogram and known label value at zero, so a scrape shows
 //! them before their first event (Prometheus's `increase()` needs the zero to see the first).
 
-use std::time::Duration;
+mod recording;
 
-use bson::DateTime;
+pub use recording::*;
+
 use metrics::Unit;
 
 pub const MONGODB: &str = "mongodb";
@@ -395,139 +396,4 @@ fn register_zero(kind: Kind, name: &'static str, labels: Vec<metrics::Label>) {
         }
         Kind::Gauge => metrics::gauge!(name, labels).set(0.0),
     }
-}
-
-pub fn claimed(n: usize) {
-    metrics::counter!("timeoutd_claimed_total").increment(n as u64);
-}
-
-/// A confirmed publish of a record due at `due`, confirmed at `confirmed_at` (server clock).
-pub fn dispatched(due: DateTime, confirmed_at: DateTime) {
-    metrics::counter!("timeoutd_dispatched_total").increment(1);
-    let late_ms = confirmed_at
-        .timestamp_millis()
-        .saturating_sub(due.timestamp_millis())
-        .max(0);
-    metrics::histogram!("timeoutd_dispatch_lateness_seconds").record(late_ms as f64 / 1000.0);
-}
-
-pub fn removed(n: usize) {
-    metrics::counter!("timeoutd_removed_total").increment(n as u64);
-}
-
-pub fn publish_failure(reason: &'static str) {
-    metrics::counter!("timeoutd_publish_failures_total", "reason" => reason).increment(1);
-}
-
-pub fn released(reason: &'static str, n: usize) {
-    metrics::counter!("timeoutd_released_total", "reason" => reason).increment(n as u64);
-}
-
-pub fn lease_lost(n: usize) {
-    metrics::counter!("timeoutd_lease_lost_total").increment(n as u64);
-}
-
-pub fn reaped(n: u64) {
-    metrics::counter!("timeoutd_reaped_total").increment(n);
-}
-
-pub fn skipped(reason: &'static str, n: usize) {
-    metrics::counter!("timeoutd_skipped_total", "reason" => reason).increment(n as u64);
-}
-
-/// A record moved to the parking collection.
-pub fn parked(reason: &'static str) {
-    metrics::counter!("timeoutd_parked_total", "reason" => reason).increment(1);
-}
-
-/// A refused send scheduled for another attempt after back-off.
-pub fn retried() {
-    metrics::counter!("timeoutd_retries_total").increment(1);
-}
-
-/// How many records wait in the parking collection (from the monitor's periodic query).
-pub fn parked_records(n: u64) {
-    metrics::gauge!("timeoutd_parked_records").set(n as f64);
-}
-
-pub fn claim_duration(d: Duration) {
-    metrics::histogram!("timeoutd_claim_duration_seconds").record(d.as_secs_f64());
-}
-
-/// One MongoDB call on the dispatch path (`call` is one of [`MONGODB_CALLS`]).
-pub fn mongodb_call(call: &'static str, d: Duration) {
-    metrics::histogram!("timeoutd_mongodb_call_seconds", "call" => call).record(d.as_secs_f64());
-}
-
-pub fn publish_confirm(d: Duration) {
-    metrics::histogram!("timeoutd_publish_confirm_seconds").record(d.as_secs_f64());
-}
-
-pub fn dependency_up(dependency: &'static str, up: bool) {
-    metrics::gauge!("timeoutd_dependency_up", "dependency" => dependency).set(if up {
-        1.0
-    } else {
-        0.0
-    });
-}
-
-/// Readiness as `/readyz` reports it, set just before each scrape renders.
-pub fn ready(ready: bool) {
-    metrics::gauge!("timeoutd_ready").set(if ready { 1.0 } else { 0.0 });
-}
-
-pub fn clock_offset(offset_ms: i64) {
-    metrics::gauge!("timeoutd_clock_offset_seconds").set(offset_ms as f64 / 1000.0);
-}
-
-pub fn leases_held(n: usize) {
-    metrics::gauge!("timeoutd_leases_held").set(n as f64);
-}
-
-/// The periodic backlog reading: due and claimable records, and the oldest due age.
-pub fn backlog(due: u64, oldest_due_age_seconds: Option<f64>) {
-    metrics::gauge!("timeoutd_due_backlog").set(due as f64);
-    metrics::gauge!("timeoutd_oldest_due_age_seconds").set(oldest_due_age_seconds.unwrap_or(0.0));
-}
-
-/// An essential task of the daemon ended or panicked while it was not shutting down.
-pub fn task_failure(task: &'static str) {
-    metrics::counter!("timeoutd_task_failures_total", "task" => task).increment(1);
-}
-
-/// Locks without a lease expiry the reaper freed (left by ServiceConnect's own poller).
-pub fn stuck_freed(n: u64) {
-    metrics::counter!("timeoutd_stuck_locks_freed_total").increment(n);
-}
-
-/// The census: records whose `Time` no branch of the due query serves, and records locked
-/// with no lease expiry.
-pub fn census(unschedulable: u64, stuck_locks: u64) {
-    metrics::gauge!("timeoutd_unschedulable_records").set(unschedulable as f64);
-    metrics::gauge!("timeoutd_stuck_locks").set(stuck_locks as f64);
-}
-
-/// Whether the daemon runs all its essential tasks.
-pub fn up(up: bool) {
-    metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });
-}
-
-/// The destinations paused now, as the dispatch loop applies them.
-pub fn paused_destinations(n: usize) {
-    metrics::gauge!("timeoutd_paused_destinations").set(n as f64);
-}
-
-/// How long the oldest pause in force has lasted.
-pub fn pause_age(longest_seconds: f64) {
-    metrics::gauge!("timeoutd_longest_pause_seconds").set(longest_seconds);
-}
-
-/// The due records paused destinations hold back (from the monitor's periodic query).
-pub fn paused_backlog(n: u64) {
-    metrics::gauge!("timeoutd_paused_backlog").set(n as f64);
-}
-
-/// Claimed records held back from a send, by reason.
-pub fn held_back(reason: &'static str, n: usize) {
-    metrics::counter!("timeoutd_held_back_total", "reason" => reason).increment(n as u64);
 }
