@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every fault scenario and the soak (tests/faults.rs) one at a time and prints the
-# README's fault table: scenario, records, lost, duplicates (and how they are accounted for),
+# The fault table of docs/guarantees.md: scenario, records, lost, duplicates (and how they are accounted for),
 # lateness p99. Soak size: TIMEOUTD_SOAK_RECORDS (100000), TIMEOUTD_SOAK_SECONDS (180).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 //! The alerting rules as Prometheus judges them: `promtool check rules` accepts
 //! config/prometheus/timeoutd-rules.yml, `promtool test rules` passes its unit tests, every
 //! alert is tested both firing and quiet, carries a severity, a summary and a description,
-//! has a README runbook section, and the Kubernetes PrometheusRule holds the same groups.
+//! has a runbook section in docs/operations.md, and the Kubernetes PrometheusRule holds the same groups.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -105,7 +105,7 @@ fn every_alert_is_tested_firing_and_quiet() {
 
 #[test]
 fn every_alert_has_severity_summary_description_and_a_runbook() {
-    let readme = std::fs::read_to_string(repo("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo("docs/operations.md")).unwrap();
     for alert in alerts() {
         let name = alert["alert"].as_str().expect("alert name");
         let severity = alert["labels"]["severity"].as_str().unwrap_or_default();
@@ -126,7 +126,7 @@ fn every_alert_has_severity_summary_description_and_a_runbook() {
         let section = readme
             .split_once(&heading)
             .map(|(_, rest)| rest.split("\n#").next().unwrap_or_default())
-            .unwrap_or_else(|| panic!("README has no runbook section {heading:?}"));
+            .unwrap_or_else(|| panic!("docs/operations.md has no runbook section {heading:?}"));
         assert!(
             section.contains("timeoutd ") || section.contains("`/readyz`"),
             "{name}: the runbook names no command to run:\n{section}"

@@ -1,6 +1,6 @@
 //! `/metrics` as Prometheus judges it: `promtool check metrics` on live scrapes of a real
 //! daemon finds nothing, every counter and known label value is there at zero before its
-//! first event, and every series the code records has HELP text and a README row.
+//! first event, and every series the code records has HELP text and a row in docs/operations.md.
 
 mod common;
 
@@ -187,18 +187,23 @@ fn series_names_follow_prometheus_conventions() {
     }
 }
 
-/// The README's metrics table lists every series with the HELP text the code exports.
+/// The metrics table of docs/operations.md lists every series with the HELP text the code exports.
 #[test]
 fn readme_metrics_table_matches_the_help_text() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("README.md");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+            .expect("docs/operations.md");
     for s in SERIES {
         let row = readme.lines().find(|l| {
             l.strip_prefix(&format!("| `{}", s.name))
                 .is_some_and(|rest| rest.starts_with('`') || rest.starts_with('{'))
         });
-        let row = row.unwrap_or_else(|| panic!("README has no row for {}", s.name));
-        assert!(row.contains(s.help), "README row of {} says {row}", s.name);
+        let row = row.unwrap_or_else(|| panic!("docs/operations.md has no row for {}", s.name));
+        assert!(
+            row.contains(s.help),
+            "docs/operations.md row of {} says {row}",
+            s.name
+        );
         if let Some((label, values)) = s.label {
             assert!(row.contains(&format!("{{{label}}}")), "{row}");
             for v in values {

@@ -124,7 +124,7 @@ const fn labelled(
 
 use Kind::{Counter, Gauge, Histogram};
 
-/// Every series timeoutd exports, in the order of the README's metrics table.
+/// Every series timeoutd exports, in the order of the metrics table in docs/operations.md.
 pub const SERIES: &[Series] = &[
     series(
         "timeoutd_claimed_total",
