@@ -3,33 +3,18 @@
 //! per record to RabbitMQ, and removes each record once the broker confirmed it and the lease
 //! still held.
 //!
-//! Modules, one per concern:
+//! Subsystems, lowest layer first (a module uses only those before it; ARCHITECTURE.md has
+//! the code map and one record's path through them):
+//! - [`redact`], [`deadline`], [`backoff`], [`metrics`]: credentials out of every output, the
+//!   bound on every call, retry back-off, every metric series;
 //! - [`config`], the TOML file, environment overrides and validation;
-//! - [`record`], the ServiceConnect document and its decoding; [`guid`], GUIDs in both BSON
-//!   representations; [`due`], the shapes of `Time` and the due query for each;
-//! - [`lease`], the lease rules (claim, guarded remove and release, reap) in one place;
-//! - [`clock`], the database server's clock;
-//! - [`deadline`], the bound on every call to MongoDB and RabbitMQ;
-//! - [`durability`], the MongoDB settings the lease relies on, checked at start;
-//! - [`store`], the MongoDB collection: [`claim`], the claim; [`window`], which part of the
-//!   due range a claim reads; [`head`], where it starts while destinations are paused;
-//!   [`shapes`], which `Time` shapes the collection holds;
-//!   [`census`], `stats` and the records nothing fires on its own;
-//! - [`message`], the `TimeoutMessage` wire format;
-//! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
-//! - [`dispatch`], the dispatch loop;
-//! - [`reaper`], freeing expired leases;
-//! - [`metrics`], metric names and recording;
-//! - [`redact`], keeping credentials out of every output;
-//! - [`health`] and [`http`], liveness, readiness and the `/metrics` endpoint;
-//! - [`shutdown`], signals;
-//! - [`supervisor`], the essential tasks and what happens when one stops;
-//! - [`daemon`], `timeoutd run`, wiring the tasks together;
-//! - [`listing`], `list`; [`ops`], `cancel` and `reschedule`; [`control`], pauses, ramps and
-//!   the audit of operator actions, and [`controlwatch`], the task that obeys them;
-//!   [`opscli`] and [`controlcli`], those commands on the
-//!   command line;
-//! - [`cli`], the command line.
+//! - [`service`], the process shell: health, supervision, HTTP, systemd, signals;
+//! - [`record`], the ServiceConnect document, GUIDs, the `Time` shapes, the wire message;
+//! - [`store`], the MongoDB collections: the lease rules, the claim, parking;
+//! - [`operator`], `list`, `cancel`, `reschedule`, pauses and ramps;
+//! - [`maintenance`], the reaper, the census and the control watcher;
+//! - [`dispatch`], the dispatch loop, the publisher, rate limits and wake-ups;
+//! - [`cli`], the command line and `timeoutd run`.
 
 pub mod backoff;
 pub mod cli;

@@ -21,6 +21,10 @@
 //! turns, and each turn tells [`Health`] it is live. A handler that panics is caught: the
 //! daemon is marked failed, the loop releases what it holds and returns an error, and the
 //! process exits non-zero.
+//!
+//! This file is longer than the others (about 460 lines) on purpose: the loop's state, its
+//! events and the dispatch of each event to its handler read best whole; the handlers of
+//! each step live in the sibling files.
 
 mod claim;
 mod control;

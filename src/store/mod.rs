@@ -1,8 +1,10 @@
 //! The store: the ServiceConnect `Timeouts` collection in MongoDB.
 //!
-//! Runs the queries that [`crate::store::lease`] defines: claim a batch, remove or release what a
-//! claim holds, reap expired leases, count for `stats`, insert for `schedule`. It only ever
-//! `$set`s the three lock fields of an existing record and deletes by `_id`.
+//! Runs the queries that [`lease`] defines: claim a batch ([`claim`]), remove or release what a
+//! claim holds, reap expired leases, insert for `schedule`. It only ever `$set`s the three lock
+//! fields of an existing record and deletes by `_id`. [`Store`] is the handle on the
+//! collections and nothing else: the state of other concerns (pauses, the census's memory) is
+//! kept by them and handed in.
 
 pub mod claim;
 pub mod clock;

@@ -1,0 +1,161 @@
+//! ARCHITECTURE.md stays true to `src/`: every top-level module is named in its layer table,
+//! and every module uses only modules of lower layers (so no two top-level modules use each
+//! other, and the store imports nothing above it).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+/// The top-level modules on disk: `src/x.rs` and `src/x/mod.rs`, but not `lib.rs`/`main.rs`.
+fn top_level_modules() -> Vec<String> {
+    let mut modules = Vec::new();
+    for entry in std::fs::read_dir(repo("src")).expect("src/") {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("name")
+            .to_string();
+        if path.is_dir() && path.join("mod.rs").exists() {
+            modules.push(name);
+        } else if path.extension().is_some_and(|e| e == "rs") && name != "lib" && name != "main" {
+            modules.push(name);
+        }
+    }
+    modules.sort();
+    modules
+}
+
+/// The layer table of ARCHITECTURE.md: `| 3 | `record/` | ... |` rows, module -> layer.
+fn layers() -> BTreeMap<String, u32> {
+    let text = std::fs::read_to_string(repo("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let mut layers = BTreeMap::new();
+    for line in text.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let (Some(layer), Some(names)) = (cells.get(1), cells.get(2)) else {
+            continue;
+        };
+        let Ok(layer) = layer.parse::<u32>() else {
+            continue;
+        };
+        for name in names.split('`').skip(1).step_by(2) {
+            layers.insert(name.trim_end_matches('/').to_string(), layer);
+        }
+    }
+    layers
+}
+
+/// The top-level modules a source file names as `crate::x` or in `use crate::{x, ...}`,
+/// comments left out.
+fn used_modules(text: &str) -> Vec<String> {
+    let code: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut used = Vec::new();
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let mut depth = 0;
+            let mut item = String::new();
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        used.push(std::mem::take(&mut item));
+                        continue;
+                    }
+                    _ => {}
+                }
+                item.push(c);
+            }
+            used.push(item);
+        } else {
+            used.push(rest.chars().take(64).collect());
+        }
+    }
+    used.iter()
+        .map(|u| {
+            u.trim_start()
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect::<String>()
+        })
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
+fn files_of(module: &str) -> Vec<PathBuf> {
+    let file = repo(&format!("src/{module}.rs"));
+    if file.exists() {
+        return vec![file];
+    }
+    let mut files = Vec::new();
+    let mut dirs = vec![repo(&format!("src/{module}"))];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("dir") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    files
+}
+
+#[test]
+fn every_top_level_module_is_named_in_the_layer_table() {
+    let layers = layers();
+    let modules = top_level_modules();
+    assert!(modules.len() >= 5, "found {modules:?}");
+    for module in &modules {
+        assert!(
+            layers.contains_key(module),
+            "ARCHITECTURE.md's code map does not name src/{module}"
+        );
+    }
+    for named in layers.keys() {
+        assert!(
+            modules.contains(named),
+            "ARCHITECTURE.md names `{named}`, which is no top-level module of src/"
+        );
+    }
+}
+
+#[test]
+fn each_module_uses_only_lower_layers() {
+    let layers = layers();
+    let mut checked = 0;
+    for module in top_level_modules() {
+        let Some(&own) = layers.get(&module) else {
+            continue; // the test above names it
+        };
+        for file in files_of(&module) {
+            let text = std::fs::read_to_string(&file).expect("read");
+            for used in used_modules(&text) {
+                checked += 1;
+                if used == module {
+                    continue;
+                }
+                let theirs = layers
+                    .get(&used)
+                    .unwrap_or_else(|| panic!("{}: crate::{used} is in no layer", file.display()));
+                assert!(
+                    *theirs < own,
+                    "{} (layer {own}) uses crate::{used} (layer {theirs}): a module may use only lower layers",
+                    file.display()
+                );
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} paths found");
+}
