@@ -19,9 +19,9 @@ fn top_level_modules() -> Vec<String> {
             .and_then(|s| s.to_str())
             .expect("name")
             .to_string();
-        if path.is_dir() && path.join("mod.rs").exists() {
-            modules.push(name);
-        } else if path.extension().is_some_and(|e| e == "rs") && name != "lib" && name != "main" {
+        let folder = path.is_dir() && path.join("mod.rs").exists();
+        let file = path.extension().is_some_and(|e| e == "rs") && name != "lib" && name != "main";
+        if folder || file {
             modules.push(name);
         }
     }
