@@ -62,7 +62,7 @@ pub fn claim_duration(d: Duration) {
     metrics::histogram!("timeoutd_claim_duration_seconds").record(d.as_secs_f64());
 }
 
-/// One MongoDB call on the dispatch path (`call` is one of [`MONGODB_CALLS`]).
+/// One MongoDB call on the dispatch path (`call` is one of [`super::MONGODB_CALLS`]).
 pub fn mongodb_call(call: &'static str, d: Duration) {
     metrics::histogram!("timeoutd_mongodb_call_seconds", "call" => call).record(d.as_secs_f64());
 }
