@@ -1,8 +1,9 @@
 //! Metric names and the small functions that record them (`recording.rs`), through the
-//! `metrics` facade. Recording is a no-op until an exporter is installed. [`SERIES`] is the one list of every
-//! series, its HELP text and its known label values; [`describe_all`] gives each its HELP line
-//! and registers every counter, histogram and known label value at zero, so a scrape shows
-//! them before their first event (Prometheus's `increase()` needs the zero to see the first).
+//! `metrics` facade. Recording is a no-op until an exporter is installed. [`SERIES`] is the
+//! one list of every series, its HELP text and its known label values; [`describe_all`] gives
+//! each its HELP line and registers every counter, histogram and known label value at zero,
+//! so a scrape shows them before their first event (Prometheus's `increase()` needs the zero
+//! to see the first).
 
 mod recording;
 
