@@ -14,14 +14,16 @@
 //! - [`store`], the MongoDB collection: [`claim`], the claim; [`window`], which part of the
 //!   due range a claim reads; [`head`], where it starts while destinations are paused;
 //!   [`shapes`], which `Time` shapes the collection holds;
-//!   [`census`], `stats` and the records nothing fires on its own;
+//!   [`census`], `stats` and the records nothing fires on its own; [`backlog`], the
+//!   monitor's backlog reading, independent of the claim path;
 //! - [`message`], the `TimeoutMessage` wire format;
 //! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
 //! - [`metrics`], metric names and recording;
 //! - [`redact`], keeping credentials out of every output;
-//! - [`health`] and [`http`], liveness, readiness and the `/metrics` endpoint;
+//! - [`health`] and [`http`], liveness, readiness and the `/metrics` endpoint; [`progress`],
+//!   whether the claims reach the due records (readiness);
 //! - [`shutdown`], signals;
 //! - [`supervisor`], the essential tasks and what happens when one stops;
 //! - [`daemon`], `timeoutd run`, wiring the tasks together;
@@ -31,6 +33,7 @@
 //!   command line;
 //! - [`cli`], the command line.
 
+pub mod backlog;
 pub mod backoff;
 pub mod census;
 pub mod claim;
@@ -56,6 +59,7 @@ pub mod metrics;
 pub mod ops;
 pub mod opscli;
 pub mod parking;
+pub mod progress;
 pub mod publisher;
 pub mod ratelimit;
 pub mod reaper;

@@ -244,14 +244,23 @@ pub const SERIES: &[Series] = &[
         "timeoutd_due_backlog",
         Gauge,
         Some(Unit::Count),
-        "Due and claimable records at the last monitor reading, counted up to 10000 (a bigger backlog reads 10000; timeoutd stats counts them all).",
+        "Due and claimable records of destinations not paused at the last monitor reading, counted up to 10000 (a bigger backlog reads 10000; timeoutd stats counts them all). Read from the collection, independent of what the claims learned.",
     ),
     series(
         "timeoutd_oldest_due_age_seconds",
         Gauge,
         Some(Unit::Seconds),
-        "Age of the oldest due and claimable record at the last monitor reading; 0 when none is due.",
+        "Age of the oldest due record (leased or not) of a destination not paused at the last monitor reading; 0 when none is due.",
     ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_due_unclaimed_seconds",
+            Gauge,
+            Some(Unit::Seconds),
+            "How long the oldest due record of a destination neither paused nor rate-limited has stayed unclaimed while no claim of this instance read a due record and nothing was sent; 0 while it makes progress. /readyz is 503 past 3 x poll_interval + lease_safety_margin + 2 x operation_timeout.",
+        )
+    },
     series(
         "timeoutd_leases_held",
         Gauge,
@@ -290,7 +299,7 @@ pub const SERIES: &[Series] = &[
         "timeoutd_ready",
         Gauge,
         None,
-        "1 while /readyz answers 200 (MongoDB and RabbitMQ answer, not draining), else 0; read at each scrape.",
+        "1 while /readyz answers 200 (MongoDB and RabbitMQ answer, due records get claimed, not draining), else 0; read at each scrape.",
     ),
     series(
         "timeoutd_up",
@@ -315,6 +324,12 @@ pub const SERIES: &[Series] = &[
         Gauge,
         None,
         "Records locked without a lease expiry, at the last census.",
+    ),
+    series(
+        "timeoutd_odd_locked_records",
+        Gauge,
+        None,
+        "Records whose Locked is missing or not a boolean and whose LockExpiresAt is no date, at the last census: no claim takes them, so they never fire until fixed.",
     ),
     series(
         "timeoutd_build_info",
@@ -346,7 +361,7 @@ pub const SERIES: &[Series] = &[
             "timeoutd_paused_backlog",
             Gauge,
             None,
-            "Records of paused destinations due now (held back by the pause), at the last monitor reading.",
+            "Records of paused destinations due now (held back by the pause), at the last monitor reading, counted up to 10000.",
         )
     },
     labelled(
@@ -490,6 +505,11 @@ pub fn backlog(due: u64, oldest_due_age_seconds: Option<f64>) {
     metrics::gauge!("timeoutd_oldest_due_age_seconds").set(oldest_due_age_seconds.unwrap_or(0.0));
 }
 
+/// How long due records have stayed unclaimed with no progress of this instance.
+pub fn due_unclaimed(d: Duration) {
+    metrics::gauge!("timeoutd_due_unclaimed_seconds").set(d.as_secs_f64());
+}
+
 /// An essential task of the daemon ended or panicked while it was not shutting down.
 pub fn task_failure(task: &'static str) {
     metrics::counter!("timeoutd_task_failures_total", "task" => task).increment(1);
@@ -502,9 +522,10 @@ pub fn stuck_freed(n: u64) {
 
 /// The census: records whose `Time` no branch of the due query serves, and records locked
 /// with no lease expiry.
-pub fn census(unschedulable: u64, stuck_locks: u64) {
+pub fn census(unschedulable: u64, stuck_locks: u64, odd_locked: u64) {
     metrics::gauge!("timeoutd_unschedulable_records").set(unschedulable as f64);
     metrics::gauge!("timeoutd_stuck_locks").set(stuck_locks as f64);
+    metrics::gauge!("timeoutd_odd_locked_records").set(odd_locked as f64);
 }
 
 /// Whether the daemon runs all its essential tasks.

@@ -129,7 +129,7 @@ impl ShapeCache {
 
 /// Whether a record of a shape not in `shapes` exists: a date when none is known, or an
 /// offset within +-14 h that is not among `seen`.
-async fn probe_finds_new(
+pub(crate) async fn probe_finds_new(
     store: &Store,
     shapes: &[Shape],
     seen: Vec<Bson>,
@@ -190,7 +190,7 @@ async fn any_date(store: &Store) -> Result<bool, StoreError> {
 }
 
 /// The shapes present, and every `"Time.1"` value seen.
-async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreError> {
+pub(crate) async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreError> {
     let mut shapes = Vec::new();
     if store.encoding.reads_dates() && any_date(store).await? {
         shapes.push(Shape::Date);

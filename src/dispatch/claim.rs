@@ -70,6 +70,10 @@ impl Dispatcher {
             }
         };
         self.health.set_up(m::MONGODB, true);
+        if claim.read > 0 {
+            // The claim path reaches due records (taken, or lost to a racing instance).
+            self.health.progress().made();
+        }
         self.claim_backoff.reset();
         m::claim_duration(started.elapsed().saturating_sub(waited));
         self.claims.finished(started, claim.more);
@@ -126,6 +130,22 @@ impl Dispatcher {
                 fail::eval("claim-delay", |arg| arg.and_then(|a| a.parse::<u64>().ok()))
             {
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+            // Tests only: a claim that reads nothing and succeeds, as one that knows no `Time`
+            // shape does (the wedge of issue 19): what the progress check must see.
+            #[cfg(feature = "failpoints")]
+            if fail::eval("claim-reads-nothing", |_| ()).is_some() {
+                let lease = crate::lease::Lease::new(store.clock().now(), lease);
+                return Done::Claim {
+                    started,
+                    waited,
+                    result: Ok(Claim {
+                        lease,
+                        rows: Vec::new(),
+                        more: false,
+                        read: 0,
+                    }),
+                };
             }
             let claim = async {
                 let read = store.candidates(batch, ahead, &excluded);
