@@ -101,11 +101,12 @@ async fn a_paused_destination_is_counted_apart_from_the_due_backlog() {
     env.cleanup().await;
 }
 
-/// Item 3: a daemon whose claims take nothing and succeed (a failpoint standing in for the
-/// wedge of issue 19: no `Time` shape known) while due records wait turns `/readyz` 503 and
-/// shows it in `timeoutd_due_unclaimed_seconds`, while the backlog gauge, read independently
-/// of the claims, shows the records. Once the claims take again, it is ready again and the
-/// records fire.
+/// Items 2 and 3: the wedge of issue 19, a shape cache that knows no `Time` shape (a
+/// failpoint), makes every claim read nothing and succeed while due records wait. The backlog
+/// gauge, read independently of the claim path, still shows the records (it read 0 from the
+/// same cache before), `/readyz` turns 503 and `timeoutd_due_unclaimed_seconds` shows the
+/// wait. Once the cache knows the shapes again, the instance is ready again and the records
+/// fire.
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_that_take_nothing_make_the_instance_unready_until_they_take_again() {
@@ -118,7 +119,7 @@ async fn claims_that_take_nothing_make_the_instance_unready_until_they_take_agai
     env.insert(docs.collect()).await;
     let mut config = env.config();
     config.mongodb.operation_timeout = Duration::from_secs(1);
-    fail::cfg("claim-reads-nothing", "return").unwrap();
+    fail::cfg("shapes-know-nothing", "return").unwrap();
     let mut consumer = env.consumer().await;
     let token = tokio_util::sync::CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -140,7 +141,7 @@ async fn claims_that_take_nothing_make_the_instance_unready_until_they_take_agai
     .await;
     let metrics = get("/metrics").await.1;
     let still_stored = env.count(bson::doc! {}).await;
-    fail::remove("claim-reads-nothing");
+    fail::remove("shapes-know-nothing");
     let got = consumer.take(ids.len(), Duration::from_secs(60)).await;
     let ready = eventually(Duration::from_secs(60), || async {
         get("/readyz").await.0 == 200

@@ -131,22 +131,6 @@ impl Dispatcher {
             {
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             }
-            // Tests only: a claim that reads nothing and succeeds, as one that knows no `Time`
-            // shape does (the wedge of issue 19): what the progress check must see.
-            #[cfg(feature = "failpoints")]
-            if fail::eval("claim-reads-nothing", |_| ()).is_some() {
-                let lease = crate::lease::Lease::new(store.clock().now(), lease);
-                return Done::Claim {
-                    started,
-                    waited,
-                    result: Ok(Claim {
-                        lease,
-                        rows: Vec::new(),
-                        more: false,
-                        read: 0,
-                    }),
-                };
-            }
             let claim = async {
                 let read = store.candidates(batch, ahead, &excluded);
                 let candidates = store.bounded("read claim candidates", read).await?;
