@@ -6,10 +6,7 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::csharp::store_with;
-use common::fleet::{http_get, series};
 use common::*;
 use timeoutd::control::Actor;
 use uuid::Uuid;
@@ -110,6 +107,9 @@ async fn a_paused_destination_is_counted_apart_from_the_due_backlog() {
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_that_take_nothing_make_the_instance_unready_until_they_take_again() {
+    use common::fleet::{http_get, series};
+    use std::time::Duration;
+
     let env = TestEnv::new().await;
     let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
     let docs = ids.iter().enumerate().map(|(i, id)| {
