@@ -152,10 +152,90 @@ async fn the_monitor_counts_the_backlog_only_up_to_its_limit() {
     let env = TestEnv::new().await;
     env.insert_due(8).await;
     let store = store_with(&env.config()).await;
-    assert_eq!(store.backlog(5).await.unwrap().0, 5);
-    let (due, oldest) = store.backlog(100).await.unwrap();
-    assert_eq!(due, 8);
+    assert_eq!(store.backlog(5).await.unwrap().due, 5);
+    let reading = store.backlog(100).await.unwrap();
+    assert_eq!(reading.due, 8);
+    let oldest = reading.oldest_due_age_seconds;
     assert!(oldest.is_some_and(|age| age >= 0.0), "{oldest:?}");
     assert_eq!(store.stats().await.unwrap().due, 8);
+    env.cleanup().await;
+}
+
+/// Finding 6 of issue 19: a record whose `Locked` is missing or not a boolean (and that has no
+/// lease expiry) matches no claim and no reaper pass. It used to be in no count at all; now
+/// `stats`, the census and its gauge count it, and the log names it once. It is never
+/// written to: timeoutd only writes to records it can claim under the lease rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_with_an_odd_locked_are_counted_named_and_left_alone() {
+    let env = TestEnv::new().await;
+    let odd: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    let mut docs = Vec::new();
+    for (id, locked) in odd
+        .iter()
+        .zip([None, Some(Bson::from("false")), Some(Bson::Int32(0))])
+    {
+        let mut d = v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {});
+        d.remove("Locked");
+        if let Some(v) = locked {
+            d.insert("Locked", v);
+        }
+        docs.push(d);
+    }
+    // Locked missing but an expired lease: the claim's other branch takes it, so not odd.
+    let expired = Uuid::new_v4();
+    let mut d = v7_record(expired, &env.queue, Uuid::new_v4(), in_ms(-1_000), doc! {});
+    d.remove("Locked");
+    d.insert("LockExpiresAt", in_ms(-60_000));
+    docs.push(d);
+    let good = Uuid::new_v4();
+    docs.push(v7_record(
+        good,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-1_000),
+        doc! {},
+    ));
+    env.insert(docs).await;
+    let mut before = Vec::new();
+    for id in &odd {
+        before.push(env.find(*id).await.expect("inserted"));
+    }
+    let mut config = env.config();
+    config.reaper.interval = Some(Duration::from_millis(200));
+    let store = store_with(&config).await;
+    assert_eq!(store.stats().await.unwrap().odd_locked, 3);
+    assert_eq!(store.census(&timeoutd::maintenance::census::CensusState::default()).await.unwrap().odd_locked, 3);
+
+    let mut consumer = env.consumer().await;
+    let daemon = Daemon::spawn("a", vars(&env, &config)).await;
+    let got = consumer.take(2, Duration::from_secs(30)).await;
+    let gauge = eventually(Duration::from_secs(30), || async {
+        daemon.metric("timeoutd_odd_locked_records").await == 3.0
+    })
+    .await;
+    let mut named = true;
+    for id in &odd {
+        named &= daemon
+            .logged(&id.to_string(), Duration::from_secs(30))
+            .await;
+    }
+    let passes = daemon.logs_containing("census taken").len();
+    let passes_later = eventually(Duration::from_secs(30), || async {
+        daemon.logs_containing("census taken").len() >= passes + 3
+    })
+    .await;
+    let lines = daemon.logs_containing("record cannot be claimed");
+    daemon.stop().await;
+    let mut fired: Vec<String> = got.iter().filter_map(|m| m.header("TimeoutId")).collect();
+    fired.sort();
+    let mut expected = vec![good.to_string(), expired.to_string()];
+    expected.sort();
+    assert_eq!(fired, expected, "the claimable records fire");
+    assert!(gauge, "timeoutd_odd_locked_records reports the three");
+    assert!(named && passes_later);
+    assert_eq!(lines.len(), 3, "each named once: {lines:#?}");
+    for (id, was) in odd.iter().zip(before) {
+        assert_eq!(env.find(*id).await, Some(was), "never written to");
+    }
     env.cleanup().await;
 }

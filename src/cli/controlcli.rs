@@ -150,6 +150,7 @@ pub async fn stats(store: &Store, json: bool) -> anyhow::Result<()> {
     println!("expired_leases  {}", stats.expired_leases);
     println!("stuck_locks     {}", stats.stuck_locks);
     println!("unschedulable   {}", stats.unschedulable);
+    println!("odd_locked      {}", stats.odd_locked);
     match stats.oldest_due_age_seconds {
         Some(age) => println!("oldest_due_age  {age:.3}s"),
         None => println!("oldest_due_age  -"),

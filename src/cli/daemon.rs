@@ -5,10 +5,11 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::store::backlog::MonitorShapes;
 use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::dispatch::Dispatcher;
@@ -67,7 +68,10 @@ pub async fn run_with(
     let client = store.clone();
     // Installed before anything records a metric.
     let _ = http::prometheus();
-    let health = Arc::new(Health::new(config.dispatch.poll_interval));
+    let health = Arc::new(
+        Health::new(config.dispatch.poll_interval)
+            .with_stall_after(crate::service::progress::stall_after(&config)),
+    );
     let (listener, addr) =
         http::bind(config.http.listen)
             .await
@@ -162,7 +166,12 @@ async fn start(
     }
     tasks.spawn(
         "monitor",
-        ok(monitor(store.clone(), health.clone(), shutdown.clone())),
+        ok(monitor(
+            store.clone(),
+            health.clone(),
+            rate_limited(config),
+            shutdown.clone(),
+        )),
     );
     tasks.spawn(
         "reaper",
@@ -269,41 +278,71 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
     }
 }
 
+/// The destinations with a send-rate limit in the configuration.
+fn rate_limited(config: &Config) -> Vec<String> {
+    config
+        .dispatch
+        .destination
+        .iter()
+        .map(|l| l.name.clone())
+        .collect()
+}
+
 /// Keeps the backlog gauges and the server clock estimate fresh, with one cheap set of
-/// queries every [`MONITOR_INTERVAL`], independent of the poll rate. The clock was read just
-/// before this starts, so the first pass only reads the backlog.
-async fn monitor(store: Store, health: Arc<Health>, shutdown: CancellationToken) {
+/// queries every [`MONITOR_INTERVAL`], independent of the poll rate, and tells
+/// [`crate::service::progress`] which record is the oldest unclaimed one (reading again sooner while
+/// one is suspected of being left unclaimed). The reading depends on nothing the claim path
+/// keeps ([`crate::store::backlog`]). Each of its queries is bounded by `operation_timeout`, not the
+/// whole reading by one deadline: an outer deadline would drop the reading halfway on a slow
+/// database and leave the gauges stale. The clock was read just before this starts, so the
+/// first pass only reads the backlog.
+async fn monitor(
+    store: Store,
+    health: Arc<Health>,
+    rate_limited: Vec<String>,
+    shutdown: CancellationToken,
+) {
     let parking = store.parking();
+    let mut shapes = MonitorShapes::default();
+    let mut clock_read = Instant::now();
     loop {
-        let counts = Store::timed("backlog", async {
+        let at = Instant::now();
+        let reading = Store::timed("backlog", async {
+            let shapes = shapes.current(&store).await?;
             tokio::try_join!(
-                store.backlog(crate::maintenance::census::BACKLOG_COUNTED_UP_TO),
-                parking.count()
+                store.read_backlog(&shapes, crate::maintenance::census::BACKLOG_COUNTED_UP_TO, &rate_limited),
+                store.bounded("count parked records", parking.count())
             )
         });
-        match store.bounded("read the backlog", counts).await {
-            Ok(((due, oldest), parked)) => {
-                m::backlog(due, oldest);
+        let reading = tokio::select! {
+            r = reading => r,
+            _ = shutdown.cancelled() => return,
+        };
+        match reading {
+            Ok((r, parked)) => {
+                m::backlog(r.due, r.oldest_due_age_seconds);
+                m::paused_backlog(r.paused_due);
                 m::parked_records(parked);
+                let oldest = r.oldest_unclaimed.as_ref();
+                let oldest = oldest.map(|(id, due)| (id, due.timestamp_millis()));
+                health.progress().observed(at, oldest);
+                m::due_unclaimed(health.progress().unclaimed_for());
             }
             Err(e) => tracing::debug!(error = %e, "backlog query failed"),
         }
-        match store
-            .bounded(
-                "read the paused backlog",
-                Store::timed("backlog", store.paused_backlogs(false)),
-            )
-            .await
-        {
-            Ok(paused) => m::paused_backlog(paused.iter().map(|(_, due, _)| due).sum()),
-            Err(e) => tracing::debug!(error = %e, "paused backlog query failed"),
-        }
+        let wait = health
+            .progress()
+            .next_reading_in()
+            .map_or(MONITOR_INTERVAL, |d| d.min(MONITOR_INTERVAL));
         tokio::select! {
-            _ = tokio::time::sleep(MONITOR_INTERVAL) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = shutdown.cancelled() => return,
         }
-        if let Err(e) = read_server_clock(&store, &health).await {
-            tracing::warn!(error = %e, "could not refresh the server clock offset");
+        if clock_read.elapsed() >= MONITOR_INTERVAL {
+            clock_read = Instant::now();
+            if let Err(e) = read_server_clock(&store, &health).await {
+                tracing::warn!(error = %e, "could not refresh the server clock offset");
+            }
         }
     }
 }

@@ -59,8 +59,8 @@ pub enum Command {
         #[arg(long = "header", value_name = "K=V", value_parser = parse_header)]
         headers: Vec<(String, String)>,
     },
-    /// Counts of pending, due, leased, expired-lease, stuck and unschedulable records, and
-    /// the oldest due age.
+    /// Counts of pending, due, leased, expired-lease, stuck, unschedulable and odd-`Locked`
+    /// records, and the oldest due age.
     Stats {
         /// Print JSON instead of text.
         #[arg(long)]

@@ -70,6 +70,10 @@ impl Dispatcher {
             }
         };
         self.health.set_up(m::MONGODB, true);
+        if claim.read > 0 {
+            // The claim path reaches due records (taken, or lost to a racing instance).
+            self.health.progress().made();
+        }
         self.claim_backoff.reset();
         m::claim_duration(started.elapsed().saturating_sub(waited));
         self.claims.finished(started, claim.more);

@@ -393,6 +393,10 @@ impl Dispatcher {
         if self.can_claim() && self.claims.is_due(Instant::now()) {
             self.start_claim();
         }
+        if self.rate_saturated() {
+            // It holds what `max_rate` lets it send: records waiting meanwhile wait by design.
+            self.health.progress().made();
+        }
     }
 
     /// Starts removals and other settling while there are free slots. Releases come first.

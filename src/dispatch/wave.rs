@@ -46,6 +46,7 @@ impl Dispatcher {
                 SendOutcome::Confirmed => {
                     tracing::debug!(timeout_id = %id, %destination, %owner, late_ms = confirmed_at.timestamp_millis().saturating_sub(r.record.due.timestamp_millis()), "timeout sent");
                     m::dispatched(r.record.due, confirmed_at);
+                    self.health.progress().made();
                     self.confirmed.push(r);
                 }
                 SendOutcome::Returned | SendOutcome::Nacked => {

@@ -1,7 +1,10 @@
-//! Counting for operators: `stats`, the backlog gauges, and the census of records nothing
-//! will fire on its own: `Time` of a shape the setting does not serve (unschedulable), and
-//! `Locked: true` without a lease expiry (stuck, left by ServiceConnect's own poller). The
-//! reaper ([`crate::maintenance::reaper`]) takes the census and frees stuck records.
+//! Counting for operators: `stats`, and the census of records nothing will fire on its own:
+//! `Time` of a shape the setting does not serve (unschedulable), `Locked: true` without a
+//! lease expiry (stuck, left by ServiceConnect's own poller), and `Locked` missing or not a
+//! boolean with no lease expiry (odd: no claim and no reaper pass matches them, and timeoutd
+//! never writes to a record it cannot claim under the lease rules, so they are counted and
+//! named, not changed). The reaper ([`crate::maintenance::reaper`]) takes the census and frees stuck
+//! records. The monitor's backlog gauges are [`crate::store::backlog`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -43,6 +46,10 @@ pub struct Stats {
     /// Records whose `Time` is of no shape the `time_encoding` setting serves (or outside
     /// .NET's range): they never fire until fixed.
     pub unschedulable: u64,
+    /// Records whose `Locked` is missing or not a boolean, with no date in `LockExpiresAt`:
+    /// no claim takes them (a claim matches `Locked: false` or an expired lease), so they
+    /// never fire until fixed.
+    pub odd_locked: u64,
     /// Age of the oldest due record, leased or not, in seconds; `None` when nothing is due.
     pub oldest_due_age_seconds: Option<f64>,
     /// Records in the parking collection.
@@ -58,6 +65,8 @@ pub struct Census {
     pub stuck_locks: u64,
     /// Records locked as timeoutd never locks them (no expiry, or no owner).
     pub foreign_locks: u64,
+    /// `Locked` missing or not a boolean, no lease expiry ([`Stats::odd_locked`]).
+    pub odd_locked: u64,
 }
 
 /// What the census remembers between passes; the reaper keeps it and hands it in.
@@ -78,28 +87,20 @@ fn key_of(id: &Bson) -> String {
     format!("{id:?}")
 }
 
+/// Records no claim and no reaper pass ever matches: `Locked` missing or not a boolean (the
+/// claim matches `Locked: false`, the reaper `Locked: true`), and no date in `LockExpiresAt`
+/// (the claim's other branch, an expired lease). ServiceConnect always writes a boolean.
+pub fn odd_locked_filter() -> Document {
+    doc! { "$and": [
+        { field::LOCKED: { "$not": { "$type": "bool" } } },
+        { field::LOCK_EXPIRES_AT: { "$not": { "$type": "date" } } },
+    ] }
+}
+
 impl Store {
     /// The filter of records no branch of the due query will ever match.
     fn unschedulable_filter(&self) -> Document {
         doc! { "$nor": [due::schedulable(self.encoding)] }
-    }
-
-    /// The backlog gauges: due and claimable records, counted up to `up_to` (what the
-    /// monitor reads every 15 s on every instance must not grow with the backlog: a fleet
-    /// restarting on a million due records would otherwise read each of them every 15 s per
-    /// instance, while the database is what limits the drain), and the age of the oldest due
-    /// one (one index seek per shape).
-    pub async fn backlog(&self, up_to: u64) -> Result<(u64, Option<f64>), StoreError> {
-        let shapes = self.shapes().await?;
-        let now = self.clock.now();
-        let due = self
-            .query(
-                self.coll
-                    .count_documents(lease::due_filter(now, &shapes))
-                    .limit(up_to),
-            )
-            .await?;
-        Ok((due, self.oldest_due_age(now, &shapes).await?))
     }
 
     async fn oldest_due_age(
@@ -148,6 +149,7 @@ impl Store {
             parking.count(),
             parking.count_retrying(),
         )?;
+        let odd_locked = count(odd_locked_filter()).await?;
         let oldest_due_age_seconds = self.oldest_due_age(now, &shapes).await?;
         Ok(Stats {
             pending,
@@ -156,6 +158,7 @@ impl Store {
             expired_leases: expired,
             stuck_locks: stuck,
             unschedulable,
+            odd_locked,
             oldest_due_age_seconds,
             parked,
             retrying,
@@ -167,13 +170,17 @@ impl Store {
     /// timeoutd never locks them: another dispatcher is claiming in this collection.
     pub async fn census(&self, state: &CensusState) -> Result<Census, StoreError> {
         let count = |filter: Document| self.query(self.coll.count_documents(filter));
-        let (unschedulable, stuck_locks, foreign_locks) = tokio::try_join!(
+        let (unschedulable, stuck_locks, foreign_locks, odd_locked) = tokio::try_join!(
             count(self.unschedulable_filter()),
             count(lease::stuck()),
             count(lease::foreign_locks()),
+            count(odd_locked_filter()),
         )?;
         if unschedulable > 0 {
             self.name_unschedulable(state).await?;
+        }
+        if odd_locked > 0 {
+            self.name_odd_locked(state).await?;
         }
         if foreign_locks > 0 {
             let mut warned = locked(&state.warned_foreign_at);
@@ -189,7 +196,37 @@ impl Store {
             unschedulable,
             stuck_locks,
             foreign_locks,
+            odd_locked,
         })
+    }
+
+    /// Names each record of [`odd_locked_filter`] in the logs once (at most
+    /// [`NAMED_PER_CENSUS`] per census), with the value it holds.
+    async fn name_odd_locked(&self, state: &CensusState) -> Result<(), StoreError> {
+        let docs: Vec<Document> = self
+            .query(async {
+                self.coll
+                    .find(odd_locked_filter())
+                    .projection(doc! { field::ID: 1, field::LOCKED: 1, field::DESTINATION: 1 })
+                    .limit(NAMED_PER_CENSUS)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let mut named = locked(&state.named);
+        for d in docs {
+            let id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
+            if named.len() < 100_000 && named.insert(format!("locked:{}", key_of(&id))) {
+                let value = d.get(field::LOCKED).map(|t| t.to_string());
+                tracing::warn!(
+                    timeout_id = %display_id(&id),
+                    locked = value.as_deref().unwrap_or("(missing)"),
+                    "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
+                );
+            }
+        }
+        Ok(())
     }
 
     async fn name_unschedulable(&self, state: &CensusState) -> Result<(), StoreError> {

@@ -100,9 +100,10 @@ async fn take_census(store: &Store, state: &CensusState) {
         .await
     {
         Ok(c) => {
-            m::census(c.unschedulable, c.stuck_locks);
+            m::census(c.unschedulable, c.stuck_locks, c.odd_locked);
             tracing::debug!(
                 unschedulable = c.unschedulable,
+                odd_locked = c.odd_locked,
                 stuck_locks = c.stuck_locks,
                 foreign_locks = c.foreign_locks,
                 "census taken"

@@ -246,14 +246,23 @@ pub const SERIES: &[Series] = &[
         "timeoutd_due_backlog",
         Gauge,
         Some(Unit::Count),
-        "Due and claimable records at the last monitor reading, counted up to 10000 (a bigger backlog reads 10000; timeoutd stats counts them all).",
+        "Due and claimable records of destinations not paused at the last monitor reading, counted up to 10000 (a bigger backlog reads 10000; timeoutd stats counts them all). Read from the collection, independent of what the claims learned.",
     ),
     series(
         "timeoutd_oldest_due_age_seconds",
         Gauge,
         Some(Unit::Seconds),
-        "Age of the oldest due and claimable record at the last monitor reading; 0 when none is due.",
+        "Age of the oldest due record (leased or not) of a destination not paused at the last monitor reading; 0 when none is due.",
     ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_due_unclaimed_seconds",
+            Gauge,
+            Some(Unit::Seconds),
+            "How long the oldest due record of a destination neither paused nor rate-limited has stayed unclaimed while no claim of this instance read a due record and nothing was sent; 0 while it makes progress. /readyz is 503 past 3 x poll_interval + lease_safety_margin + 2 x operation_timeout.",
+        )
+    },
     series(
         "timeoutd_leases_held",
         Gauge,
@@ -292,7 +301,7 @@ pub const SERIES: &[Series] = &[
         "timeoutd_ready",
         Gauge,
         None,
-        "1 while /readyz answers 200 (MongoDB and RabbitMQ answer, not draining), else 0; read at each scrape.",
+        "1 while /readyz answers 200 (MongoDB and RabbitMQ answer, due records get claimed, not draining), else 0; read at each scrape.",
     ),
     series(
         "timeoutd_up",
@@ -317,6 +326,12 @@ pub const SERIES: &[Series] = &[
         Gauge,
         None,
         "Records locked without a lease expiry, at the last census.",
+    ),
+    series(
+        "timeoutd_odd_locked_records",
+        Gauge,
+        None,
+        "Records whose Locked is missing or not a boolean and whose LockExpiresAt is no date, at the last census: no claim takes them, so they never fire until fixed.",
     ),
     series(
         "timeoutd_build_info",
@@ -348,7 +363,7 @@ pub const SERIES: &[Series] = &[
             "timeoutd_paused_backlog",
             Gauge,
             None,
-            "Records of paused destinations due now (held back by the pause), at the last monitor reading.",
+            "Records of paused destinations due now (held back by the pause), at the last monitor reading, counted up to 10000.",
         )
     },
     labelled(

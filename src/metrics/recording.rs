@@ -98,6 +98,11 @@ pub fn backlog(due: u64, oldest_due_age_seconds: Option<f64>) {
     metrics::gauge!("timeoutd_oldest_due_age_seconds").set(oldest_due_age_seconds.unwrap_or(0.0));
 }
 
+/// How long due records have stayed unclaimed with no progress of this instance.
+pub fn due_unclaimed(d: Duration) {
+    metrics::gauge!("timeoutd_due_unclaimed_seconds").set(d.as_secs_f64());
+}
+
 /// An essential task of the daemon ended or panicked while it was not shutting down.
 pub fn task_failure(task: &'static str) {
     metrics::counter!("timeoutd_task_failures_total", "task" => task).increment(1);
@@ -108,11 +113,12 @@ pub fn stuck_freed(n: u64) {
     metrics::counter!("timeoutd_stuck_locks_freed_total").increment(n);
 }
 
-/// The census: records whose `Time` no branch of the due query serves, and records locked
-/// with no lease expiry.
-pub fn census(unschedulable: u64, stuck_locks: u64) {
+/// The census: records whose `Time` no branch of the due query serves, records locked
+/// with no lease expiry, and records whose `Locked` no claim matches.
+pub fn census(unschedulable: u64, stuck_locks: u64, odd_locked: u64) {
     metrics::gauge!("timeoutd_unschedulable_records").set(unschedulable as f64);
     metrics::gauge!("timeoutd_stuck_locks").set(stuck_locks as f64);
+    metrics::gauge!("timeoutd_odd_locked_records").set(odd_locked as f64);
 }
 
 /// Whether the daemon runs all its essential tasks.

@@ -1,7 +1,9 @@
 //! Health: what `/healthz` and `/readyz` report. The dispatch loop stamps every turn (it turns
 //! at least once a second, and no handler awaits, so a loop that stops turning is wedged); the
 //! tasks that talk to MongoDB and RabbitMQ record whether they answer; shutdown sets draining;
-//! the supervisor marks the daemon failed when an essential task ends or panics.
+//! the supervisor marks the daemon failed when an essential task ends or panics; the monitor
+//! and the dispatch loop tell [`Progress`] whether the claims reach the due records (a loop
+//! that turns and claims nothing while records wait is not ready).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
@@ -9,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::metrics as m;
+use crate::service::progress::Progress;
 
 /// Shared health state; one per daemon.
 #[derive(Debug)]
@@ -22,6 +25,7 @@ pub struct Health {
     draining: AtomicBool,
     /// The essential task that ended or panicked, once one has.
     failed: std::sync::Mutex<Option<&'static str>>,
+    progress: Progress,
 }
 
 /// The `/readyz` body.
@@ -41,7 +45,20 @@ impl Health {
             rabbitmq_up: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             failed: std::sync::Mutex::new(None),
+            // The default lease_safety_margin (2 s) and twice the default operation_timeout.
+            progress: Progress::new(poll_interval * 3 + Duration::from_secs(22)),
         }
+    }
+
+    /// The same, judging progress over `stall_after` ([`crate::service::progress::stall_after`]).
+    pub fn with_stall_after(mut self, stall_after: Duration) -> Self {
+        self.progress = Progress::new(stall_after);
+        self
+    }
+
+    /// Whether the claims reach the due records.
+    pub fn progress(&self) -> &Progress {
+        &self.progress
     }
 
     /// The dispatch loop turned.
@@ -121,6 +138,8 @@ impl Health {
         }
         if self.draining.load(Ordering::Relaxed) {
             problems.push("draining");
+        } else if self.progress.stalled() {
+            problems.push("due records left unclaimed");
         }
         Readiness {
             ready: problems.is_empty(),
@@ -160,6 +179,19 @@ mod tests {
         assert!(!h.is_live());
         assert_eq!(h.failed_task(), Some("reaper"));
         assert_eq!(h.readiness().problems, ["an essential task failed"]);
+    }
+
+    #[test]
+    fn due_records_left_unclaimed_make_it_unready_until_progress() {
+        let h = Health::new(Duration::from_millis(10)).with_stall_after(Duration::ZERO);
+        h.set_up(m::MONGODB, true);
+        h.set_up(m::RABBITMQ, true);
+        let id = bson::Bson::Int32(7);
+        h.progress().observed(Instant::now(), Some((&id, 7)));
+        h.progress().observed(Instant::now(), Some((&id, 7)));
+        assert_eq!(h.readiness().problems, ["due records left unclaimed"]);
+        h.progress().made();
+        assert!(h.readiness().ready);
     }
 
     #[test]

@@ -71,6 +71,7 @@ fn router(state: AppState) -> Router {
 
 async fn metrics(State(s): State<AppState>) -> Response {
     crate::metrics::ready(s.health.readiness().ready);
+    crate::metrics::due_unclaimed(s.health.progress().unclaimed_for());
     s.prometheus.run_upkeep();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

@@ -4,6 +4,7 @@
 //! the subsystems above report into it.
 
 pub mod health;
+pub mod progress;
 pub mod http;
 pub mod shutdown;
 pub mod supervisor;

@@ -67,6 +67,7 @@ impl Candidates {
             lease: Lease::new(now, lease_len),
             rows: Vec::new(),
             more: self.more || !self.ids.is_empty(),
+            read: 0,
         }
     }
 }
@@ -79,6 +80,9 @@ pub struct Claim {
     /// The claim saw claimable records it did not get (more than a batch, or lost to a
     /// racing instance): claim again at once rather than wait for the next poll.
     pub more: bool,
+    /// Candidates the compare-and-swap was given (taken, or lost to a racing instance); 0
+    /// when the read found none or the claim was given up before taking them.
+    pub read: usize,
 }
 
 impl Store {
@@ -224,6 +228,7 @@ impl Store {
                 lease,
                 rows: Vec::new(),
                 more: windowed_more,
+                read: 0,
             });
         }
         let taken = Self::timed(
@@ -262,6 +267,7 @@ impl Store {
                 more: windowed_more || found_count > rows.len(),
                 lease,
                 rows,
+                read: found_count,
             }),
             Err(e) => {
                 // Between the update and the read-back: free what we may hold, best effort.

@@ -6,6 +6,7 @@
 //! collections and nothing else: the state of other concerns (pauses, the census's memory) is
 //! kept by them and handed in.
 
+pub mod backlog;
 pub mod claim;
 pub mod clock;
 pub mod durability;

@@ -1,0 +1,166 @@
+//! The monitor's reading of the due backlog: what the backlog alerts and the progress check
+//! ([`crate::service::progress`]) read. It depends on nothing the claim path keeps, so a claim path
+//! that goes wrong cannot make it read zero:
+//! - the `Time` shapes come from the monitor's own reads of the collection
+//!   ([`MonitorShapes`], a value the monitor task owns and replaces only after a read
+//!   succeeded), not from the claim path's [`crate::store::shapes::ShapeCache`];
+//! - the pauses and ramps come from the control collection itself, not from what the
+//!   dispatch loop applies.
+//!
+//! Records of paused destinations are counted apart (`timeoutd_paused_backlog`), so that a
+//! planned pause pages no one and a wedge always does. Every count stops at
+//! [`crate::maintenance::census::BACKLOG_COUNTED_UP_TO`]; the oldest due records are one index seek per
+//! `Time` shape (while something is paused, the seek walks past the paused records due before
+//! the first other one, as the claim's read from the start does).
+
+use std::time::Instant;
+
+use bson::{Bson, DateTime, Document, doc};
+
+use crate::config::TimeEncoding;
+use crate::record::due::Shape;
+use crate::store::lease;
+use crate::record::{TimeoutRecord, field};
+use crate::store::shapes::{FULL_REFRESH, probe_finds_new, read_shapes};
+use crate::store::{Store, StoreError};
+
+/// One reading of the due backlog.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Reading {
+    /// Due records any worker may claim now, of destinations not paused (up to the bound).
+    pub due: u64,
+    /// Age of the oldest due record (leased or not) of a destination not paused.
+    pub oldest_due_age_seconds: Option<f64>,
+    /// Due records (leased or not) of paused destinations (up to the bound).
+    pub paused_due: u64,
+    /// `_id` and due instant of the oldest due record any worker may claim now, of a
+    /// destination neither paused nor under a send-rate limit: what every instance's claims
+    /// should reach.
+    pub oldest_unclaimed: Option<(Bson, DateTime)>,
+}
+
+/// The `Time` shapes as the monitor knows them: learned from the collection (a `distinct` of
+/// the offsets, one read of the date index) every [`FULL_REFRESH`], and at every reading in
+/// between when a probe finds a record of a shape not known yet.
+#[derive(Debug, Default)]
+pub struct MonitorShapes {
+    shapes: Vec<Shape>,
+    seen: Vec<Bson>,
+    learned_at: Option<Instant>,
+}
+
+impl MonitorShapes {
+    /// The shapes the collection holds now. Changes `self` only once its reads succeeded.
+    pub async fn current(&mut self, store: &Store) -> Result<Vec<Shape>, StoreError> {
+        if store.encoding() == TimeEncoding::Date {
+            return Ok(vec![Shape::Date]);
+        }
+        let stale = self.learned_at.is_none_or(|t| t.elapsed() >= FULL_REFRESH);
+        if stale || probe_finds_new(store, &self.shapes, self.seen.clone()).await? {
+            let (shapes, seen) = read_shapes(store).await?;
+            *self = Self {
+                shapes,
+                seen,
+                learned_at: Some(Instant::now()),
+            };
+        }
+        Ok(self.shapes.clone())
+    }
+}
+
+impl Store {
+    /// [`Store::read_backlog`] with the shapes read now and no rate limits.
+    pub async fn backlog(&self, up_to: u64) -> Result<Reading, StoreError> {
+        let shapes = MonitorShapes::default().current(self).await?;
+        self.read_backlog(&shapes, up_to, &[]).await
+    }
+
+    /// Reads the backlog over `shapes`, counting up to `up_to`. `rate_limited`: the
+    /// destinations with a send-rate limit in this instance's configuration (the resume
+    /// ramps in force are read here), left out of [`Reading::oldest_unclaimed`].
+    pub async fn read_backlog(
+        &self,
+        shapes: &[Shape],
+        up_to: u64,
+        rate_limited: &[String],
+    ) -> Result<Reading, StoreError> {
+        let control = self.read_control().await?;
+        let paused = control.paused;
+        let mut left_out = paused.clone();
+        left_out.extend(rate_limited.iter().cloned());
+        left_out.extend(control.ramps.into_keys());
+        left_out.sort();
+        left_out.dedup();
+        let now = self.clock.now();
+        let claimable = lease::due_within(now, None, now, shapes);
+        let due = self
+            .query(
+                self.coll
+                    .count_documents(lease::except(claimable, &paused))
+                    .limit(up_to),
+            )
+            .await?;
+        let paused_due = match paused.is_empty() {
+            true => 0,
+            false => {
+                let of_paused = lease::all_of([
+                    lease::due_by(now, shapes),
+                    doc! { field::DESTINATION: { "$in": paused.clone() } },
+                ]);
+                self.query(self.coll.count_documents(of_paused).limit(up_to))
+                    .await?
+            }
+        };
+        let mut oldest_due: Option<DateTime> = None;
+        let mut oldest_unclaimed: Option<(DateTime, Bson)> = None;
+        for shape in shapes {
+            let due = lease::all_of([shape.due_between(None, now)]);
+            if let Some((at, _)) = self.oldest(*shape, lease::except(due, &paused)).await? {
+                oldest_due = Some(oldest_due.map_or(at, |o| o.min(at)));
+            }
+            let unclaimed = lease::due_within(now, None, now, std::slice::from_ref(shape));
+            let found = self
+                .oldest(*shape, lease::except(unclaimed, &left_out))
+                .await?;
+            if let Some((at, id)) = found
+                && oldest_unclaimed.as_ref().is_none_or(|(o, _)| at < *o)
+            {
+                oldest_unclaimed = Some((at, id));
+            }
+        }
+        Ok(Reading {
+            due,
+            oldest_due_age_seconds: oldest_due.map(|at| age_seconds(now, at)),
+            paused_due,
+            oldest_unclaimed: oldest_unclaimed.map(|(at, id)| (id, at)),
+        })
+    }
+
+    /// The oldest record of `shape` that `filter` matches: its due instant (the end of the
+    /// range when its `Time` does not decode) and `_id`.
+    async fn oldest(
+        &self,
+        shape: Shape,
+        filter: Document,
+    ) -> Result<Option<(DateTime, Bson)>, StoreError> {
+        let first = self
+            .query(
+                self.coll
+                    .find_one(filter)
+                    .sort(shape.sort())
+                    .projection(doc! { field::ID: 1, field::TIME: 1 }),
+            )
+            .await?;
+        Ok(first.map(|d| {
+            let at = TimeoutRecord::decode_due(&d, self.encoding).unwrap_or(self.clock.now());
+            (at, d.get(field::ID).cloned().unwrap_or(Bson::Null))
+        }))
+    }
+}
+
+fn age_seconds(now: DateTime, due: DateTime) -> f64 {
+    let age_ms = now
+        .timestamp_millis()
+        .saturating_sub(due.timestamp_millis());
+    age_ms.max(0) as f64 / 1000.0
+}
