@@ -113,22 +113,28 @@ pub struct ClaimSchedule {
     running: bool,
     /// A wake-up arrived while a claim ran: claim again as soon as it returns.
     woken: bool,
+    /// No claim before this, whatever else says "at once": set by [`ClaimSchedule::hold_off`]
+    /// (publishes went unconfirmed), and kept through the claim that was running then, a
+    /// wake-up and a failure.
+    not_before: Instant,
 }
 
 impl ClaimSchedule {
     /// The first claim runs at once.
     pub fn new(poll: Duration) -> Self {
+        let now = Instant::now();
         Self {
             poll,
-            next_at: Instant::now(),
+            next_at: now,
             running: false,
             woken: false,
+            not_before: now,
         }
     }
 
     /// Whether a claim should start at `now`.
     pub fn is_due(&self, now: Instant) -> bool {
-        !self.running && now >= self.next_at
+        !self.running && now >= self.next_at()
     }
 
     pub fn is_running(&self) -> bool {
@@ -137,7 +143,7 @@ impl ClaimSchedule {
 
     /// When the next claim is due (meaningless while one runs).
     pub fn next_at(&self) -> Instant {
-        self.next_at
+        self.next_at.max(self.not_before)
     }
 
     pub fn started(&mut self) {
@@ -173,7 +179,7 @@ impl ClaimSchedule {
 
     /// No claim before `wait` from now (publishes went unconfirmed).
     pub fn hold_off(&mut self, wait: Duration) {
-        self.next_at = self.next_at.max(Instant::now() + wait);
+        self.not_before = self.not_before.max(Instant::now() + wait);
     }
 }
 
@@ -266,5 +272,33 @@ mod tests {
         let mut s = ClaimSchedule::new(Duration::from_millis(10));
         s.hold_off(Duration::from_secs(30));
         assert!(!s.is_due(Instant::now() + Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_hold_off_set_while_a_claim_runs_outlasts_it() {
+        // An unconfirmed wave sets the hold-off while a claim runs; the claim then returns
+        // with more to take, or after a wake-up, or fails. None of these may claim (and
+        // publish the records just released) again before the hold-off ends.
+        let wait = Duration::from_secs(30);
+        for end in ["more", "woken", "failed"] {
+            let mut s = ClaimSchedule::new(Duration::from_millis(10));
+            let started = Instant::now();
+            s.started();
+            s.hold_off(wait);
+            match end {
+                "more" => s.finished(started, true),
+                "woken" => {
+                    s.wake();
+                    s.finished(started, false);
+                }
+                _ => s.failed(Duration::from_millis(1)),
+            }
+            let soon = Instant::now() + Duration::from_secs(1);
+            assert!(!s.is_due(soon), "{end}: claims again during the hold-off");
+            assert!(s.next_at() >= started + wait, "{end}");
+            s.wake();
+            assert!(!s.is_due(soon), "{end}: a wake-up cuts the hold-off short");
+            assert!(s.is_due(started + wait + Duration::from_secs(1)), "{end}");
+        }
     }
 }

@@ -383,13 +383,7 @@ impl Dispatcher {
         if stopping {
             return;
         }
-        let now = self.store.clock().now();
-        if self.publisher.is_some() && self.held.next_due().is_some_and(|d| d <= now) {
-            self.start_wave(now);
-        }
-        if self.publisher.is_some() && !self.link_up && Instant::now() >= self.next_connect {
-            self.start_connect();
-        }
+        self.start_link_work();
         if self.can_claim() && self.claims.is_due(Instant::now()) {
             self.start_claim();
         }

@@ -78,8 +78,9 @@ impl RateLimits {
             return own;
         };
         let ceiling = own.unwrap_or(RAMP_CEILING).max(TRICKLE);
-        let span = (ramp.until - ramp.from).max(1) as f64;
-        let done = ((now_ms - ramp.from) as f64 / span).clamp(0.0, 1.0);
+        // Saturating: `from` and `until` are stored dates, any `i64`.
+        let span = ramp.until.saturating_sub(ramp.from).max(1) as f64;
+        let done = (now_ms.saturating_sub(ramp.from) as f64 / span).clamp(0.0, 1.0);
         Some(TRICKLE * (ceiling / TRICKLE).powf(done))
     }
 
@@ -201,5 +202,22 @@ mod tests {
             l.destination_rate("capped", Some(&ramp), 10_000),
             Some(200.0)
         );
+    }
+
+    #[test]
+    fn a_ramp_stored_with_dates_at_the_ends_of_the_range_does_not_overflow() {
+        let l = limits(None, &[]);
+        let ramp = Ramp {
+            from: i64::MIN,
+            until: i64::MAX,
+        };
+        let rate = l.destination_rate("q", Some(&ramp), 0).unwrap();
+        assert!((TRICKLE..=RAMP_CEILING).contains(&rate), "{rate}");
+        let late = Ramp {
+            from: i64::MIN,
+            until: 10,
+        };
+        assert!(l.destination_rate("q", Some(&late), i64::MAX).is_none());
+        assert!(l.destination_rate("q", Some(&late), 0).is_some());
     }
 }

@@ -98,6 +98,37 @@ impl Dispatcher {
         self.link_task = Some(handle.id());
     }
 
+    /// Starts the link's work, while the loop has the link: a connect when it is down and
+    /// its back-off has passed, else a wave of what fell due. A wave is built against the
+    /// frame_max of the connection that carries it, so while the link is down the connect
+    /// comes first (after a suspect link, the frame_max at hand is a default, not the
+    /// broker's), and what falls due while the reconnect waits out its back-off is released.
+    pub(super) fn start_link_work(&mut self) {
+        if self.publisher.is_some() && !self.link_up && Instant::now() >= self.next_connect {
+            self.start_connect();
+        }
+        let now = self.store.clock().now();
+        if self.publisher.is_some() && self.held.next_due().is_some_and(|d| d <= now) {
+            if self.link_up {
+                self.start_wave(now);
+            } else {
+                self.release_due_while_down(now);
+            }
+        }
+    }
+
+    /// Records that fell due while the link is down and its reconnect waits out a back-off:
+    /// released, as a wave that could not connect releases them, so that an instance whose
+    /// broker answers can send them. (No wave is built without a link: its frame_max would be
+    /// a guess.)
+    pub(super) fn release_due_while_down(&mut self, now: bson::DateTime) {
+        let due = self.held.take_due(now);
+        for _ in &due {
+            m::publish_failure("connection");
+        }
+        self.release_records(due, "publish_failed");
+    }
+
     /// Sends every held record that is due: too-late ones are released, unsendable ones
     /// parked, the rest published pipelined by a task that owns the link.
     pub(super) fn start_wave(&mut self, now: bson::DateTime) {
@@ -150,9 +181,19 @@ impl Dispatcher {
             answered: alive.clone(),
             over: stop_waiting.clone(),
         });
+        let built_for = self.frame_max;
         let handle = self.tasks.spawn(async move {
             let started = Instant::now();
             let outcomes = match publisher.connect().await {
+                // The link dropped since the wave was built and the new connection has
+                // another limit: the messages were checked against the wrong one.
+                Ok(()) if publisher.frame_max() != built_for => {
+                    let why = format!(
+                        "the connection was reopened with frame_max {} where the wave was built for {built_for}",
+                        publisher.frame_max()
+                    );
+                    vec![SendOutcome::NotSent(why); messages.len()]
+                }
                 Ok(()) => {
                     publisher
                         .publish_batch(&messages, &stop_waiting, &alive)
@@ -189,5 +230,109 @@ impl Dispatcher {
             token.cancel();
         });
         stop
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bson::doc;
+
+    use super::super::held::Ready;
+    use super::*;
+    use crate::store::clock::ServerClock;
+    use crate::config::Config;
+    use crate::service::health::Health;
+    use crate::store::lease::Lease;
+    use crate::dispatch::publisher::Publisher;
+    use crate::record::TimeoutRecord;
+    use crate::store::Store;
+
+    /// The real broker (as the integration tests find it), with the client asking for a
+    /// `frame_max` of 8192: the connection negotiates that, RabbitMQ's default being larger.
+    fn small_frames() -> String {
+        let uri = std::env::var("TIMEOUTD_TEST_AMQP_URI")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let sep = if uri.contains('?') { '&' } else { '?' };
+        format!("{uri}{sep}frame_max=8192")
+    }
+
+    /// Finding 4 of issue 19: after a suspect link (the link dropped; the dispatcher's
+    /// frame_max is then the default, not the broker's), a record that fell due was built into
+    /// a wave before the reconnect, against the wrong limit. Here a record whose headers fit
+    /// the default (131072) but not the connection's 8192 is due while the link is down.
+    #[tokio::test]
+    async fn a_wave_is_built_against_the_frame_max_of_the_connection_that_carries_it() {
+        let mut config = Config::default();
+        config.rabbitmq.uri = small_frames();
+        // Never contacted: no claim starts and no settling runs in this test.
+        let store = Store::connect(&config.mongodb, ServerClock::default())
+            .await
+            .expect("store");
+        let publisher = Publisher::new(&config.rabbitmq).expect("publisher");
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let mut d = Dispatcher::new(
+            Arc::new(config),
+            store,
+            Arc::default(),
+            publisher,
+            health,
+            CancellationToken::new(),
+            Arc::new(tokio::sync::Notify::new()),
+        );
+        assert_eq!(
+            d.frame_max,
+            message::DEFAULT_FRAME_MAX,
+            "as after a suspect link"
+        );
+        d.claims.hold_off(Duration::from_secs(3600));
+        let now = d.store.clock().now();
+        d.held.push(Ready {
+            id: bson::Bson::Int32(1),
+            raw: doc! {},
+            record: TimeoutRecord {
+                id: uuid::Uuid::new_v4(),
+                destination: "timeoutd-test-frame-max".into(),
+                process_manager_id: uuid::Uuid::new_v4(),
+                due: now,
+                headers: doc! { "Big": "x".repeat(20_000) },
+            },
+            lease: Lease::new(now, Duration::from_secs(60)),
+        });
+
+        // The record is due and the link is down: the connect comes first, no wave.
+        d.start_work(false);
+        assert!(
+            d.in_flight.is_empty() && d.wave.is_none(),
+            "a wave was built while the link was down, against frame_max {}",
+            d.frame_max
+        );
+        assert_eq!(d.held.len(), 1, "the record waits for the connect");
+        let connected = tokio::time::timeout(Duration::from_secs(20), d.tasks.join_next())
+            .await
+            .expect("the connect ends within its deadline")
+            .expect("a connect task")
+            .expect("the connect task does not panic");
+        d.on_finished(connected);
+        assert!(d.link_up, "connected to the broker at {}", small_frames());
+        assert_eq!(d.frame_max, 8192);
+
+        // Now built against the connection's limit: parked as unsendable, not published.
+        d.start_work(false);
+        assert!(d.in_flight.is_empty(), "nothing of it was published");
+        let parked: Vec<ParkReason> = d
+            .settle_queue
+            .iter()
+            .filter_map(|s| match s {
+                Settle::Park { failure, .. } => Some(failure.reason),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(parked, [ParkReason::Unsendable]);
+        if let Some(mut publisher) = d.publisher.take() {
+            publisher.close().await;
+        }
     }
 }

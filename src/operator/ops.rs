@@ -311,7 +311,7 @@ pub fn same_shape(old: &Bson, due: DateTime) -> Option<Bson> {
                 Some(Bson::Int64(o)) => *o,
                 _ => return None,
             };
-            if offset.abs() > due::MAX_OFFSET_MINUTES {
+            if !due::offset_in_range(offset) {
                 return None;
             }
             let clock = crate::record::ms_to_ticks(ms)
@@ -373,6 +373,9 @@ mod tests {
             Bson::String("x".into()),
             Bson::Array(vec![Bson::Int64(5)]),
             Bson::Array(vec![Bson::Int64(5), Bson::Int32(5000)]),
+            // Int64::MIN, whose `abs()` overflows.
+            Bson::Array(vec![Bson::Int64(5), Bson::Int64(i64::MIN)]),
+            Bson::Array(vec![Bson::Int64(5), Bson::Int64(i64::MAX)]),
             Bson::Array(vec![Bson::Double(5.0), Bson::Int32(0)]),
             // Ticks stored as Int32 cannot hold a real instant.
             Bson::Array(vec![Bson::Int32(5), Bson::Int32(0)]),

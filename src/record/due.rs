@@ -120,6 +120,12 @@ pub fn schedulable(encoding: TimeEncoding) -> Document {
     doc! { "$or": shapes }
 }
 
+/// Whether a stored offset (minutes) lies within +-14 h. Any `i64` is safe here, Int64::MIN
+/// included (its `abs()` overflows).
+pub fn offset_in_range(offset: i64) -> bool {
+    (-MAX_OFFSET_MINUTES..=MAX_OFFSET_MINUTES).contains(&offset)
+}
+
 /// Offsets (from a `distinct` of `"Time.1"`) that a due query can serve: whole minutes
 /// within +-14 h, sorted, without repeats.
 pub fn servable_offsets(values: &[Bson]) -> Vec<i32> {
@@ -130,7 +136,7 @@ pub fn servable_offsets(values: &[Bson]) -> Vec<i32> {
             Bson::Int64(o) => Some(*o),
             _ => None,
         })
-        .filter(|o| o.abs() <= MAX_OFFSET_MINUTES)
+        .filter(|o| offset_in_range(*o))
         .filter_map(|o| i32::try_from(o).ok())
         .collect();
     offsets.sort_unstable();
@@ -178,17 +184,26 @@ pub fn decode(value: Option<&Bson>, encoding: TimeEncoding) -> Result<DateTime, 
             ) else {
                 return Err(DecodeError::Time(expected));
             };
-            if offset.abs() > MAX_OFFSET_MINUTES {
+            // A range, not `offset.abs()`: the stored value may be Int64::MIN, whose absolute
+            // value overflows (a panic in debug builds, 0 in release).
+            if !offset_in_range(offset) {
                 return Err(DecodeError::Time(
                     "an array [ticks, offsetMinutes] with an offset within +-14 h",
                 ));
             }
-            // The clock ticks and the UTC instant must both be valid .NET values.
-            let utc_ticks = ticks - offset * TICKS_PER_MINUTE;
-            if !(0..=MAX_TICKS).contains(&ticks) || !(0..=MAX_TICKS).contains(&utc_ticks) {
+            if !(0..=MAX_TICKS).contains(&ticks) {
                 return Err(DecodeError::Time(OUT_OF_RANGE));
             }
-            Ok(DateTime::from_millis(ticks_to_ms(utc_ticks)))
+            // The clock ticks and the UTC instant must both be valid .NET values.
+            match offset
+                .checked_mul(TICKS_PER_MINUTE)
+                .and_then(|o| ticks.checked_sub(o))
+            {
+                Some(utc_ticks) if (0..=MAX_TICKS).contains(&utc_ticks) => {
+                    Ok(DateTime::from_millis(ticks_to_ms(utc_ticks)))
+                }
+                _ => Err(DecodeError::Time(OUT_OF_RANGE)),
+            }
         }
         _ => Err(DecodeError::Time(expected)),
     }
@@ -255,6 +270,31 @@ mod tests {
             assert!(decode(Some(&v), TimeEncoding::Auto).is_ok(), "{v:?}");
         }
         assert!(decode(Some(&ticks_at(NEW_YEAR_TICKS, 841)), TimeEncoding::Auto).is_err());
+    }
+
+    #[test]
+    fn integers_at_the_ends_of_int64_are_refused_not_overflowed() {
+        // `[t, Int64::MIN]` once reached `offset.abs()`: a panic in debug builds, and in
+        // release an offset read as 0, so the record fired at the wrong instant.
+        let extremes = [i64::MIN, i64::MIN + 1, i64::MAX, -841, 841];
+        for offset in extremes {
+            for ticks in [NEW_YEAR_TICKS, 0, MAX_TICKS, i64::MIN, i64::MAX] {
+                let v = Bson::Array(vec![Bson::Int64(ticks), Bson::Int64(offset)]);
+                assert!(decode(Some(&v), TimeEncoding::Auto).is_err(), "{v:?}");
+            }
+        }
+        for ticks in [i64::MIN, i64::MAX, -1] {
+            for offset in [-840, 0, 840] {
+                let v = Bson::Array(vec![Bson::Int64(ticks), Bson::Int64(offset)]);
+                assert_eq!(
+                    decode(Some(&v), TimeEncoding::Auto),
+                    Err(DecodeError::Time(OUT_OF_RANGE)),
+                    "{v:?}"
+                );
+            }
+        }
+        let seen: Vec<Bson> = extremes.iter().map(|o| Bson::Int64(*o)).collect();
+        assert_eq!(servable_offsets(&seen), Vec::<i32>::new());
         assert!(decode(None, TimeEncoding::Auto).is_err());
     }
 

@@ -71,11 +71,20 @@ async fn send(state: &[NotifyState<'static>]) {
         tracing::warn!("systemd's notify socket has not taken the last notification; skipping one");
         return;
     }
+    // Cleared when the send ends however it ends: a panic in it, or a closure the blocking
+    // pool drops without running (the runtime shutting down), would otherwise leave the flag
+    // set and skip every later notification.
+    struct Sent;
+    impl Drop for Sent {
+        fn drop(&mut self) {
+            SENDING.store(false, std::sync::atomic::Ordering::Release);
+        }
+    }
+    let sending = Sent;
     let state = state.to_vec();
     let sent = tokio::task::spawn_blocking(move || {
-        let result = sd_notify::notify(&state);
-        SENDING.store(false, std::sync::atomic::Ordering::Release);
-        result
+        let _sending = sending;
+        sd_notify::notify(&state)
     });
     match tokio::time::timeout(SEND_TIMEOUT, sent).await {
         Ok(Ok(Ok(()))) => {}

@@ -49,7 +49,8 @@ pub struct Candidates {
     shapes: Vec<crate::record::due::Shape>,
     excluded: Vec<String>,
     docs: Vec<Document>,
-    ids: Vec<Bson>,
+    /// Each candidate's `_id` and its `Time` as read: the take matches both.
+    ids: Vec<(Bson, Bson)>,
     /// The read saw more claimable records than it returned.
     more: bool,
 }
@@ -83,6 +84,55 @@ pub struct Claim {
     /// Candidates the compare-and-swap was given (taken, or lost to a racing instance); 0
     /// when the read found none or the claim was given up before taking them.
     pub read: usize,
+}
+
+/// The records a take may have leased and not yet handed over. Dropped before
+/// [`Unclaimed::handed_over`] (the take was dropped at an `.await` by its caller's deadline, or
+/// failed between the compare-and-swap and the read-back), it frees them, owner-guarded, in a
+/// task of its own: at once, rather than when the lease runs out.
+struct Unclaimed {
+    store: Store,
+    ids: Vec<Bson>,
+    owner: uuid::Uuid,
+}
+
+impl Unclaimed {
+    fn new(store: &Store, ids: &[Bson], owner: uuid::Uuid) -> Self {
+        Self {
+            store: store.clone(),
+            ids: ids.to_vec(),
+            owner,
+        }
+    }
+
+    /// The rows are the caller's now.
+    fn handed_over(&mut self) {
+        self.ids.clear();
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let (store, ids, owner) = (
+            self.store.clone(),
+            std::mem::take(&mut self.ids),
+            self.owner,
+        );
+        // Without a runtime (the process is ending) the leases run out on their own.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let release = store.bounded("release an unfinished claim", store.release_many(&ids, owner));
+            match release.await {
+                Ok(n) => tracing::debug!(%owner, released = n, "released the records of a claim that did not finish"),
+                Err(e) => tracing::warn!(%owner, error = %e, "could not release a claim that did not finish; its leases will expire"),
+            }
+        });
+    }
 }
 
 impl Store {
@@ -192,7 +242,10 @@ impl Store {
         let docs: Vec<Document> = found.into_iter().map(|(_, d)| d).collect();
         let ids = docs
             .iter()
-            .filter_map(|d| d.get(field::ID).cloned())
+            .filter_map(|d| {
+                let time = d.get(field::TIME).cloned().unwrap_or(Bson::Null);
+                d.get(field::ID).cloned().map(|id| (id, time))
+            })
             .collect();
         Ok(Candidates {
             horizon: range.to,
@@ -217,13 +270,13 @@ impl Store {
             shapes,
             excluded,
             docs: found,
-            ids: candidates,
+            ids: as_read,
             more: windowed_more,
         } = candidates;
         let found_count = found.len();
         let now = self.clock.now();
         let lease = Lease::new(now, lease_len);
-        if candidates.is_empty() {
+        if as_read.is_empty() {
             return Ok(Claim {
                 lease,
                 rows: Vec::new(),
@@ -231,12 +284,16 @@ impl Store {
                 read: 0,
             });
         }
+        let candidates: Vec<Bson> = as_read.iter().map(|(id, _)| id.clone()).collect();
+        // From here until the rows are handed over, records may be leased to this owner: if
+        // this future is dropped (its caller's deadline) or fails, they are freed at once.
+        let mut unclaimed = Unclaimed::new(self, &candidates, lease.owner);
         let taken = Self::timed(
             "claim",
             self.coll
                 .update_many(
                     lease::except(
-                        lease::claim_filter(now, horizon, &shapes, &candidates),
+                        lease::claim_filter(now, horizon, &shapes, &as_read),
                         &excluded,
                     ),
                     lease::claim_update(&lease, self.uuids),
@@ -244,6 +301,13 @@ impl Store {
                 .into_future(),
         )
         .await;
+        // Tests only: a server slow to answer after it applied the claim.
+        #[cfg(feature = "failpoints")]
+        if let Some(Some(ms)) = fail::eval("claim-taken-delay", |arg| {
+            arg.and_then(|a| a.parse::<u64>().ok())
+        }) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         if let Ok(r) = &taken
             && r.modified_count < candidates.len() as u64
         {
@@ -263,19 +327,17 @@ impl Store {
             Err(e) => Err(e),
         };
         match rows {
-            Ok(rows) => Ok(Claim {
-                more: windowed_more || found_count > rows.len(),
-                lease,
-                rows,
-                read: found_count,
-            }),
-            Err(e) => {
-                // Between the update and the read-back: free what we may hold, best effort.
-                if let Err(release_err) = self.release_many(&candidates, lease.owner).await {
-                    tracing::warn!(owner = %lease.owner, error = %release_err, "could not release a failed claim; its leases will expire");
-                }
-                Err(e.into())
+            Ok(rows) => {
+                unclaimed.handed_over();
+                Ok(Claim {
+                    more: windowed_more || found_count > rows.len(),
+                    lease,
+                    rows,
+                    read: found_count,
+                })
             }
+            // Between the update and the read-back: what we may hold is freed (`unclaimed`).
+            Err(e) => Err(e.into()),
         }
     }
 

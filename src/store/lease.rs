@@ -157,16 +157,30 @@ pub fn all_of<const N: usize>(clauses: [Document; N]) -> Document {
     doc! { "$and": clauses.to_vec() }
 }
 
-/// The compare-and-swap claim: the claim's filter again, restricted to the candidates. Rows
-/// a racing worker took since the candidates were read no longer match and are skipped.
+/// The compare-and-swap claim: the claim's filter again, restricted to the candidates as
+/// they were read, each an `(_id, Time)` pair. A row a racing worker took since the
+/// candidates were read no longer matches and is skipped; so is a row whose `Time` changed
+/// since (rescheduled, by `timeoutd reschedule` or a ServiceConnect writer): taken with the
+/// document read, it would be sent at its old instant. A later claim reads it as it is now.
+/// `Time` is matched by equality on the whole stored value, date or `[ticks, offset]`, as
+/// `reschedule` matches it.
 pub fn claim_filter(
     now: DateTime,
     horizon: DateTime,
     shapes: &[Shape],
-    candidates: &[Bson],
+    candidates: &[(Bson, Bson)],
 ) -> Document {
+    if candidates.is_empty() {
+        return doc! { field::ID: { "$in": [] } };
+    }
+    let ids: Vec<Bson> = candidates.iter().map(|(id, _)| id.clone()).collect();
+    let as_read: Vec<Document> = candidates
+        .iter()
+        .map(|(id, time)| doc! { field::ID: id.clone(), field::TIME: time.clone() })
+        .collect();
     all_of([
-        doc! { field::ID: { "$in": candidates } },
+        doc! { field::ID: { "$in": ids } },
+        doc! { "$or": as_read },
         due_by(horizon, shapes),
         claimable(now),
     ])

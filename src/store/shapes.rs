@@ -30,7 +30,13 @@ pub const FULL_REFRESH: Duration = Duration::from_secs(60);
 
 /// The learned shapes, shared by the clones of a store.
 #[derive(Debug, Default)]
-pub struct ShapeCache(Mutex<State>);
+pub struct ShapeCache {
+    state: Mutex<State>,
+    /// Held by the one learn or probe that runs, for as long as it runs: its guard lives in
+    /// the task that runs it (never in a caller's future, which a deadline can drop halfway),
+    /// so it is free again whatever becomes of that task, even when it panics.
+    busy: Arc<tokio::sync::Mutex<()>>,
+}
 
 #[derive(Debug, Default)]
 struct State {
@@ -39,16 +45,21 @@ struct State {
     offsets_seen: Vec<Bson>,
     probed_at: Option<Instant>,
     learned_at: Option<Instant>,
-    refreshing: bool,
 }
 
 impl ShapeCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The shapes to query now. The first call (and any call while none is known) learns
     /// them; later ones start a background probe once the last is older than [`REFRESH`].
+    ///
+    /// A learn runs in a task of its own, which the caller awaits: a caller dropped halfway
+    /// (its own deadline fired first) leaves the learn to finish under its queries' own
+    /// deadlines and keep what it read. (Run in the caller's future, a learn dropped between
+    /// its two queries left the cache marked as refreshing for good, and every later claim
+    /// read no shape and took nothing.)
     pub async fn current(self: &Arc<Self>, store: &Store) -> Result<Vec<Shape>, StoreError> {
         // Tests only: the wedge of issue 19, a cache that knows no shape (every claim then
         // reads nothing and succeeds), for the checks that must see it from outside.
@@ -59,8 +70,8 @@ impl ShapeCache {
         if store.encoding == TimeEncoding::Date {
             return Ok(vec![Shape::Date]);
         }
-        let (known, start) = {
-            let mut s = self.lock();
+        let (known, stale, learned_at) = {
+            let s = self.lock();
             // While none is known (an empty collection), look again more often, so that the
             // first records inserted fire on time.
             let every = match &s.shapes {
@@ -68,27 +79,47 @@ impl ShapeCache {
                 _ => REFRESH,
             };
             let stale = s.probed_at.is_none_or(|t| t.elapsed() >= every);
-            let start = stale && !s.refreshing;
-            if start {
-                s.refreshing = true;
-            }
-            (s.shapes.clone(), start)
+            (s.shapes.clone(), stale, s.learned_at)
         };
         match known {
-            Some(shapes) if !shapes.is_empty() || !start => {
-                if start {
+            Some(shapes) if !shapes.is_empty() => {
+                // A probe in the background; none while one still runs.
+                if stale && let Ok(busy) = self.busy.clone().try_lock_owned() {
                     let (cache, store) = (self.clone(), store.clone());
                     tokio::spawn(async move {
+                        let _busy = busy;
                         if let Err(e) = cache.refresh(&store).await {
-                            cache.lock().refreshing = false;
                             tracing::debug!(error = %e, "could not refresh the Time shapes; keeping the last ones");
                         }
                     });
                 }
                 Ok(shapes)
             }
-            // Nothing known yet: learn before claiming.
-            _ => self.learn(store).await,
+            Some(none) if !stale => Ok(none),
+            // Nothing known yet: learn before claiming, one learn at a time.
+            _ => {
+                let busy = self.busy.clone().lock_owned().await;
+                // A learn that ran while this call waited has just read the collection.
+                {
+                    let s = self.lock();
+                    if s.learned_at != learned_at
+                        && let Some(shapes) = &s.shapes
+                    {
+                        return Ok(shapes.clone());
+                    }
+                }
+                let (cache, store) = (self.clone(), store.clone());
+                let learn = tokio::spawn(async move {
+                    let _busy = busy;
+                    cache.learn(&store).await
+                });
+                match learn.await {
+                    Ok(learned) => learned,
+                    Err(e) => Err(StoreError::Panicked(format!(
+                        "learning the Time shapes: {e}"
+                    ))),
+                }
+            }
         }
     }
 
@@ -108,9 +139,7 @@ impl ShapeCache {
         {
             self.learn(store).await?;
         } else {
-            let mut s = self.lock();
-            s.probed_at = Some(Instant::now());
-            s.refreshing = false;
+            self.lock().probed_at = Some(Instant::now());
         }
         Ok(())
     }
@@ -119,7 +148,6 @@ impl ShapeCache {
     pub async fn learn(&self, store: &Store) -> Result<Vec<Shape>, StoreError> {
         let learned = Store::timed("shapes", read_shapes(store)).await;
         let mut s = self.lock();
-        s.refreshing = false;
         if let Ok((shapes, seen)) = &learned {
             if s.shapes.as_ref() != Some(shapes) {
                 tracing::debug!(shapes = ?shapes, "Time shapes in the timeouts collection");
@@ -183,16 +211,29 @@ fn unseen_offsets(seen: &[Bson]) -> Vec<i32> {
 /// Python's datetime, such as SecantusDB's `secantusd-py`, rejects that date in a query.)
 async fn any_date(store: &Store) -> Result<bool, StoreError> {
     let found = store
-        .query(
+        .query(async {
+            slow_reply().await;
             store
                 .coll
                 // `$type`, not `$lte` with the largest date: a server whose BSON layer is Python's
                 // (SecantusDB's Python server) cannot read a date past year 9999 in a query.
                 .find_one(doc! { field::TIME: { "$type": "date" } })
-                .projection(doc! { field::ID: 1 }),
-        )
+                .projection(doc! { field::ID: 1 })
+                .await
+        })
         .await?;
     Ok(found.is_some())
+}
+
+/// Tests only: a server that answers each query of a learn late, within the query's own
+/// deadline (`shapes-reply-delay`, milliseconds).
+async fn slow_reply() {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(ms)) = fail::eval("shapes-reply-delay", |arg| {
+        arg.and_then(|a| a.parse::<u64>().ok())
+    }) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
 }
 
 /// The shapes present, and every `"Time.1"` value seen.
@@ -204,7 +245,13 @@ pub(crate) async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>)
     let mut seen = Vec::new();
     if store.encoding.reads_ticks() {
         seen = store
-            .query(store.coll.distinct(field::TIME_OFFSET, Document::new()))
+            .query(async {
+                slow_reply().await;
+                store
+                    .coll
+                    .distinct(field::TIME_OFFSET, Document::new())
+                    .await
+            })
             .await?;
         shapes.extend(due::servable_offsets(&seen).into_iter().map(Shape::Ticks));
     }

@@ -1,0 +1,202 @@
+//! State that must survive a future dropped at an `.await` (issue 19), and candidates that
+//! changed while a claim waited: a caller's deadline that fires in the middle of a learn or a
+//! take must leave nothing behind that stops or delays later claims, and a record rescheduled
+//! between a claim's read and its take is never taken at its old `Time`. Real test MongoDB;
+//! failpoints delay the server's answers.
+#![cfg(feature = "failpoints")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bson::{DateTime, doc};
+use common::csharp::{offset_record, public_record};
+use common::*;
+use timeoutd::store::clock::ServerClock;
+use timeoutd::operator::ops::{Move, Selector};
+use timeoutd::store::shapes::REFRESH_WHILE_EMPTY;
+use timeoutd::store::Store;
+use uuid::Uuid;
+
+/// The failpoints are the process's: one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn store_for(env: &TestEnv, operation_timeout: Duration) -> Store {
+    let mut config = env.config();
+    config.mongodb.operation_timeout = operation_timeout;
+    Store::connect(&config.mongodb, ServerClock::default())
+        .await
+        .expect("store")
+        .with_settings(&config)
+}
+
+/// Claims until `n` records were taken in all, or `within` passed; returns how many.
+async fn claim_up_to(store: &Store, n: usize, within: Duration) -> usize {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut taken = 0;
+    while taken < n && tokio::time::Instant::now() < deadline {
+        let claim = store
+            .claim(100, Duration::from_secs(300))
+            .await
+            .expect("claim");
+        taken += claim.rows.len();
+        if taken < n {
+            // The pace of a poll, not a condition: the loop ends on what the claims took.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    taken
+}
+
+/// Issue 19's wedge: a claim's deadline drops the shape cache's learn between its two queries.
+/// It once left the cache marked as refreshing for good: every later claim read no shape and
+/// took nothing, and only a restart cleared it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shape_learn_dropped_halfway_does_not_stop_later_claims() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let store = store_for(&env, Duration::from_secs(1)).await;
+    // An empty collection: no shape is known, and the next claim learns again once this is
+    // older than REFRESH_WHILE_EMPTY.
+    assert_eq!(store.shapes().await.expect("shapes"), vec![]);
+    tokio::time::sleep(REFRESH_WHILE_EMPTY).await;
+
+    // Each query of the learn is answered after 600 ms, within operation_timeout (1 s); the
+    // two together are not, so the claim's own deadline (as the dispatch loop bounds it)
+    // fires between them.
+    fail::cfg("shapes-reply-delay", "return(600)").unwrap();
+    let read = store
+        .bounded(
+            "read claim candidates",
+            store.candidates(100, Duration::ZERO, &[]),
+        )
+        .await;
+    fail::remove("shapes-reply-delay");
+    assert!(
+        read.is_err(),
+        "the claim's deadline fired during the learn: {read:?}"
+    );
+
+    // Records written afterwards are claimed.
+    env.insert_due(3).await;
+    let taken = claim_up_to(&store, 3, Duration::from_secs(15)).await;
+    assert_eq!(taken, 3, "the records written after the dropped learn");
+    env.cleanup().await;
+}
+
+/// A take whose deadline fires after the server applied its compare-and-swap: the records it
+/// leased are freed at once, not a whole lease later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_dropped_after_its_claim_frees_what_it_leased() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let store = store_for(&env, Duration::from_secs(1)).await;
+    let ids = env.insert_due(3).await;
+    // Learned before the failpoint, so that the claim below reaches its take.
+    assert!(!store.shapes().await.expect("shapes").is_empty());
+
+    fail::cfg("claim-taken-delay", "1*return(1500)").unwrap();
+    let claim = store
+        .bounded("claim", store.claim(100, Duration::from_secs(300)))
+        .await;
+    fail::remove("claim-taken-delay");
+    assert!(
+        claim.is_err(),
+        "the deadline fired after the compare-and-swap: {claim:?}"
+    );
+
+    let all: Vec<bson::Bson> = ids.iter().map(|id| uuid(*id)).collect();
+    let free = doc! { "$and": [{ "_id": { "$in": all } }, is_free()] };
+    let freed = eventually(Duration::from_secs(10), || async {
+        env.count(free.clone()).await == 3
+    })
+    .await;
+    assert!(
+        freed,
+        "the records leased by the dropped take are free again well before their 300 s lease ran out"
+    );
+    assert_eq!(claim_up_to(&store, 3, Duration::from_secs(10)).await, 3);
+    env.cleanup().await;
+}
+
+/// Finding 5: candidates read, then rescheduled (by `timeoutd reschedule`, and by a writer
+/// that sets `Time` itself) before the take, within the look-ahead. The take leaves them; the
+/// next claim takes them at their new `Time`. Both shapes of `Time`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_rescheduled_after_its_claim_read_it_is_not_taken_at_its_old_time() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let store = store_for(&env, Duration::from_secs(5)).await;
+    let (dated, offset, unchanged) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let due = in_ms(-10);
+    env.insert(vec![
+        public_record(dated, &env.queue, Uuid::new_v4(), due),
+        offset_record(offset, &env.queue, Uuid::new_v4(), due, 60),
+        v7_record(unchanged, &env.queue, Uuid::new_v4(), due, doc! {}),
+    ])
+    .await;
+    let look_ahead = Duration::from_secs(120);
+    let candidates = store
+        .candidates(100, look_ahead, &[])
+        .await
+        .expect("candidates");
+
+    // While the claim waits (for the broker's first answer, in the dispatch loop): one
+    // record moved 30 s on by timeoutd, one by a writer of its own.
+    let moved = store
+        .reschedule(&Selector::Ids(vec![dated]), Move::By(30_000), false)
+        .await
+        .expect("reschedule");
+    assert_eq!(moved[0].outcome, "rescheduled");
+    let offset_due = DateTime::from_millis(due.timestamp_millis() + 30_000);
+    let offset_doc = env.find(offset).await.expect("offset record");
+    let new_time =
+        timeoutd::operator::ops::same_shape(offset_doc.get("Time").unwrap(), offset_due).expect("same shape");
+    env.coll
+        .update_one(
+            doc! { "_id": uuid(offset) },
+            doc! { "$set": { "Time": new_time } },
+        )
+        .await
+        .expect("move the offset record");
+
+    let claim = store
+        .take(candidates, Duration::from_secs(300))
+        .await
+        .expect("take");
+    let taken: HashMap<Uuid, i64> = claim
+        .rows
+        .iter()
+        .map(|r| {
+            let record = r.record.as_ref().expect("decodes");
+            (record.id, record.due.timestamp_millis())
+        })
+        .collect();
+    assert_eq!(
+        taken.keys().copied().collect::<Vec<_>>(),
+        vec![unchanged],
+        "only the record that did not change is taken; at their old Time the others: {taken:?}"
+    );
+    assert!(claim.more, "the records left are claimable again at once");
+
+    let again = store
+        .claim_window(100, Duration::from_secs(300), look_ahead)
+        .await
+        .expect("claim again");
+    let retaken: HashMap<Uuid, i64> = again
+        .rows
+        .iter()
+        .map(|r| {
+            let record = r.record.as_ref().expect("decodes");
+            (record.id, record.due.timestamp_millis())
+        })
+        .collect();
+    let new_due = due.timestamp_millis() + 30_000;
+    assert_eq!(
+        retaken,
+        HashMap::from([(dated, new_due), (offset, new_due)]),
+        "both taken at their new Time"
+    );
+    env.cleanup().await;
+}
