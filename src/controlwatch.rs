@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::store::Store;
+use crate::serverload::Pacing;
+use crate::store::{Store, StoreError};
 
 /// How long to wait before opening the control collection's change stream again.
 const REOPEN_STREAM: Duration = Duration::from_secs(30);
@@ -24,8 +25,13 @@ pub async fn watch(
 ) {
     let mut stream = None;
     let mut opened_at: Option<std::time::Instant> = None;
+    // After a failed read, the next waits out its back-off ([`crate::serverload`]).
+    let mut reading = Pacing::new(store.operation_timeout());
     loop {
-        read_once(&store, &changed).await;
+        if reading.ready() {
+            let result = read_once(&store, &changed).await;
+            reading.record(&result);
+        }
         if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
             opened_at = Some(std::time::Instant::now());
             stream = store
@@ -53,7 +59,7 @@ pub async fn watch(
     }
 }
 
-async fn read_once(store: &Store, changed: &tokio::sync::Notify) {
+async fn read_once(store: &Store, changed: &tokio::sync::Notify) -> Result<(), StoreError> {
     match store.bounded("read pauses", store.read_control()).await {
         Ok(next) => {
             let now_ms = store.clock().now().timestamp_millis();
@@ -71,7 +77,11 @@ async fn read_once(store: &Store, changed: &tokio::sync::Notify) {
                 }
                 changed.notify_one();
             }
+            Ok(())
         }
-        Err(e) => tracing::warn!(error = %e, "could not read pauses; keeping the last ones"),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read pauses; keeping the last ones");
+            Err(e)
+        }
     }
 }

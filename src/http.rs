@@ -71,6 +71,7 @@ fn router(state: AppState) -> Router {
 
 async fn metrics(State(s): State<AppState>) -> Response {
     crate::metrics::ready(s.health.readiness().ready);
+    crate::metrics::calls_in_flight(crate::serverload::in_flight());
     s.prometheus.run_upkeep();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -118,4 +119,5 @@ pub async fn serve(
     if let Err(e) = result {
         tracing::warn!(error = %e, "HTTP server stopped");
     }
+    crate::store::shutdown_stall().await;
 }

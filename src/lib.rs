@@ -9,9 +9,11 @@
 //!   representations; [`due`], the shapes of `Time` and the due query for each;
 //! - [`lease`], the lease rules (claim, guarded remove and release, reap) in one place;
 //! - [`clock`], the database server's clock;
-//! - [`deadline`], the bound on every call to MongoDB and RabbitMQ;
+//! - [`deadline`], the bound on every call to MongoDB and RabbitMQ; [`serverload`], never
+//!   adding load to a struggling database (`maxTimeMS`, paced retries, commands in flight);
 //! - [`durability`], the MongoDB settings the lease relies on, checked at start;
-//! - [`store`], the MongoDB collection: [`claim`], the claim; [`window`], which part of the
+//! - [`store`], the MongoDB collection: [`indexes`], its indexes and the start-up task that
+//!   builds them; [`claim`], the claim; [`window`], which part of the
 //!   due range a claim reads; [`head`], where it starts while destinations are paused;
 //!   [`shapes`], which `Time` shapes the collection holds;
 //!   [`census`], `stats` and the records nothing fires on its own;
@@ -49,6 +51,7 @@ pub mod guid;
 pub mod head;
 pub mod health;
 pub mod http;
+pub mod indexes;
 pub mod lease;
 pub mod listing;
 pub mod message;
@@ -61,6 +64,7 @@ pub mod ratelimit;
 pub mod reaper;
 pub mod record;
 pub mod redact;
+pub mod serverload;
 pub mod shapes;
 pub mod shutdown;
 pub mod store;

@@ -61,7 +61,7 @@ pub const MONGODB_CALLS: &[&str] = &[
 pub const BACKGROUND_CALLS: &[&str] = &["backlog", "census", "reap", "shapes"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &[
-    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control",
+    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control", "indexes",
 ];
 
 /// A series' Prometheus type.
@@ -360,6 +360,24 @@ pub const SERIES: &[Series] = &[
         HELD_BACK_REASONS,
         Start::Zero,
     ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_mongodb_calls_in_flight",
+            Gauge,
+            None,
+            "MongoDB calls this instance may have running on the server: started and not returned, or abandoned at their deadline less than twice operation_timeout after they started (the server's maxTimeMS ends them).",
+        )
+    },
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_indexes_missing",
+            Gauge,
+            None,
+            "Indexes timeoutd asked for that do not exist yet (being built, or their creation failed); claims use the indexes that exist meanwhile.",
+        )
+    },
 ];
 
 /// Gives every series its HELP text and registers the counters, histograms and known label
@@ -505,6 +523,16 @@ pub fn stuck_freed(n: u64) {
 pub fn census(unschedulable: u64, stuck_locks: u64) {
     metrics::gauge!("timeoutd_unschedulable_records").set(unschedulable as f64);
     metrics::gauge!("timeoutd_stuck_locks").set(stuck_locks as f64);
+}
+
+/// `timeoutd_mongodb_calls_in_flight` (see [`crate::serverload::in_flight`]).
+pub fn calls_in_flight(n: usize) {
+    metrics::gauge!("timeoutd_mongodb_calls_in_flight").set(n as f64);
+}
+
+/// `timeoutd_indexes_missing`: indexes asked for and not there yet.
+pub fn indexes_missing(n: usize) {
+    metrics::gauge!("timeoutd_indexes_missing").set(n as f64);
 }
 
 /// Whether the daemon runs all its essential tasks.

@@ -143,7 +143,8 @@ async fn probe_finds_new(
                 store
                     .coll
                     .find_one(doc! { field::TIME_OFFSET: { "$in": unseen_offsets(&seen) } })
-                    .projection(doc! { field::ID: 1 }),
+                    .projection(doc! { field::ID: 1 })
+                    .max_time(store.server_limit()),
             )
             .await?;
         return Ok(new_offset.is_some());
@@ -183,7 +184,8 @@ async fn any_date(store: &Store) -> Result<bool, StoreError> {
                 // `$type`, not `$lte` with the largest date: a server whose BSON layer is Python's
                 // (SecantusDB's Python server) cannot read a date past year 9999 in a query.
                 .find_one(doc! { field::TIME: { "$type": "date" } })
-                .projection(doc! { field::ID: 1 }),
+                .projection(doc! { field::ID: 1 })
+                .max_time(store.server_limit()),
         )
         .await?;
     Ok(found.is_some())
@@ -198,7 +200,12 @@ async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreErro
     let mut seen = Vec::new();
     if store.encoding.reads_ticks() {
         seen = store
-            .query(store.coll.distinct(field::TIME_OFFSET, Document::new()))
+            .query(
+                store
+                    .coll
+                    .distinct(field::TIME_OFFSET, Document::new())
+                    .max_time(store.server_limit()),
+            )
             .await?;
         shapes.extend(due::servable_offsets(&seen).into_iter().map(Shape::Ticks));
     }

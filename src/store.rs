@@ -11,8 +11,8 @@ use std::time::Duration;
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::change_stream::event::ChangeStreamEvent;
-use mongodb::options::{Acknowledgment, ClientOptions, IndexOptions};
-use mongodb::{Client, Collection, Database, IndexModel};
+use mongodb::options::{Acknowledgment, ClientOptions};
+use mongodb::{Client, Collection, Database};
 use uuid::Uuid;
 
 use crate::clock::ServerClock;
@@ -176,10 +176,11 @@ impl Store {
     /// drop spawns that task (the process is about to exit).
     pub async fn close(&self, within: Duration) -> bool {
         let client = self.db.client().clone();
-        if tokio::time::timeout(within, client.clone().shutdown())
-            .await
-            .is_ok()
-        {
+        let closing = async {
+            shutdown_stall().await;
+            client.clone().shutdown().await
+        };
+        if tokio::time::timeout(within, closing).await.is_ok() {
             return true;
         }
         std::mem::forget(client);
@@ -192,17 +193,47 @@ impl Store {
             self.parked.clone(),
             self.attempts.clone(),
             self.clock.clone(),
+            self.op_timeout,
         )
     }
 
     /// Runs one store call under `[mongodb] operation_timeout`: a server that stops answering
     /// becomes a [`StoreError::Deadline`] naming the call, never a wait without end.
+    /// Counted in `timeoutd_mongodb_calls_in_flight` until it returns, or, when dropped (its
+    /// deadline, shutdown), until the server's `maxTimeMS` has ended it
+    /// ([`crate::serverload`]).
     pub async fn bounded<T>(
         &self,
         what: &'static str,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        crate::deadline::within(self.op_timeout, what, call).await
+        let counted = crate::serverload::CallInFlight::start(self.op_timeout);
+        let result = crate::deadline::within(self.op_timeout, what, call).await;
+        if !matches!(result, Err(StoreError::Deadline(_))) {
+            counted.finished();
+        }
+        result
+    }
+
+    /// The deadline every read carries to the server (`maxTimeMS`): `[mongodb]
+    /// operation_timeout`, so that a query timeoutd gave up on stops there too.
+    pub fn server_limit(&self) -> Duration {
+        // The largest maxTimeMS a server takes (an int32 of milliseconds), about 24.8 days.
+        self.op_timeout.clamp(
+            Duration::from_millis(1),
+            Duration::from_millis(i32::MAX as u64),
+        )
+    }
+
+    /// `[mongodb] operation_timeout`.
+    pub fn operation_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
+    /// A database command with its `maxTimeMS` ([`Store::server_limit`]).
+    pub(crate) fn command(&self, mut command: Document) -> Document {
+        command.insert("maxTimeMS", max_time_ms(self.server_limit()));
+        command
     }
 
     /// One driver call under `[mongodb] operation_timeout`, its error made a [`StoreError`]:
@@ -240,7 +271,10 @@ impl Store {
     /// The settings that would let a failover undo a lease write or a read miss one, on the
     /// deployment the server describes (see [`crate::durability`]).
     pub async fn durability_risks(&self) -> Result<Vec<String>, StoreError> {
-        let hello = self.db.run_command(doc! { "hello": 1 }).await?;
+        let hello = self
+            .db
+            .run_command(self.command(doc! { "hello": 1 }))
+            .await?;
         Ok(crate::durability::risks(
             &hello,
             self.write_concern.as_ref(),
@@ -255,7 +289,10 @@ impl Store {
         let mut best: Option<(Duration, DateTime, std::time::Instant, std::time::Instant)> = None;
         for _ in 0..3 {
             let sent = std::time::Instant::now();
-            let reply = self.db.run_command(doc! { "hello": 1 }).await?;
+            let reply = self
+                .db
+                .run_command(self.command(doc! { "hello": 1 }))
+                .await?;
             let received = std::time::Instant::now();
             let server = *reply
                 .get_datetime("localTime")
@@ -267,116 +304,6 @@ impl Store {
         }
         let (_, server, sent, received) = best.ok_or(StoreError::NoServerTime)?;
         Ok(self.clock.observe(server, sent, received))
-    }
-
-    /// Creates timeoutd's own indexes where no index serves the same queries: one per `Time`
-    /// shape served (so each branch of the due query scans only due records, oldest first),
-    /// the lease fields (reaper, census) and the owner. The date index is left out when an
-    /// index on `Time` already exists (ServiceConnect v7's `Time_1_Locked_1` serves the same
-    /// bounds), the lease index when one leads with `LockExpiresAt` (v7's `LockExpiresAt_1`),
-    /// the owner index when one leads with `LockedBy` (v7's `LockedBy_1_Locked_1`): every
-    /// index is one more the claim's update and the delete maintain for every record. An own
-    /// index made redundant that way (created before v7's appeared) is dropped; no index
-    /// timeoutd did not create is ever touched. Also warns when the collection is empty and
-    /// the other spelling of the ServiceConnect database holds records.
-    pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
-        let existing: Vec<(String, Document)> = match self.query(self.coll.list_indexes()).await {
-            Ok(cursor) => self
-                .query(cursor.try_collect::<Vec<_>>())
-                .await
-                .unwrap_or_default()
-                .into_iter()
-                .map(|m| {
-                    let name = m.options.and_then(|o| o.name).unwrap_or_default();
-                    (name, m.keys)
-                })
-                .collect(),
-            Err(_) => Vec::new(),
-        };
-        let served = |first: &str, ours: &str| {
-            existing
-                .iter()
-                .any(|(name, keys)| name != ours && keys.keys().next().is_some_and(|f| f == first))
-        };
-        let mut indexes = Vec::new();
-        if self.encoding.reads_dates() && !served(field::TIME, DATE_DUE_INDEX) {
-            indexes.push((DATE_DUE_INDEX, Shape::Date.sort()));
-        }
-        if self.encoding.reads_ticks() {
-            indexes.push((TICKS_DUE_INDEX, Shape::Ticks(0).sort()));
-        }
-        let mut redundant = Vec::new();
-        for (name, first, keys) in [
-            (
-                LEASE_INDEX,
-                field::LOCK_EXPIRES_AT,
-                doc! { field::LOCKED: 1, field::LOCK_EXPIRES_AT: 1 },
-            ),
-            (OWNER_INDEX, field::LOCKED_BY, doc! { field::LOCKED_BY: 1 }),
-        ] {
-            if !served(first, name) {
-                indexes.push((name, keys));
-            } else if existing.iter().any(|(n, _)| n == name) {
-                redundant.push(name);
-            }
-        }
-        for (name, keys) in indexes {
-            let model = IndexModel::builder()
-                .keys(keys.clone())
-                .options(IndexOptions::builder().name(name.to_string()).build())
-                .build();
-            if let Err(e) = self.query(self.coll.create_index(model)).await {
-                // An index with the same keys under another name serves as well.
-                tracing::warn!(index = name, keys = %keys, error = %e, "could not create index; continuing");
-            }
-        }
-        for name in redundant {
-            match self.query(self.coll.drop_index(name)).await {
-                Ok(()) => {
-                    tracing::info!(
-                        index = name,
-                        "dropped timeoutd's own index: another one serves the same queries, and each index costs every write"
-                    )
-                }
-                // Another instance may have dropped it first.
-                Err(e) => {
-                    tracing::debug!(index = name, error = %e, "could not drop a redundant index")
-                }
-            }
-        }
-        self.warn_if_other_spelling_holds_records().await;
-        Ok(())
-    }
-
-    /// The default database changed to the public releases' spelling: say so when this
-    /// collection is empty and the other spelling's is not.
-    async fn warn_if_other_spelling_holds_records(&self) {
-        use crate::config::{LEASE_ERA_DATABASE, PUBLIC_DATABASE};
-        let other = match self.db.name() {
-            PUBLIC_DATABASE => LEASE_ERA_DATABASE,
-            LEASE_ERA_DATABASE => PUBLIC_DATABASE,
-            _ => return,
-        };
-        let ours = self.query(self.coll.estimated_document_count()).await;
-        let theirs = self
-            .query(
-                self.db
-                    .client()
-                    .database(other)
-                    .collection::<Document>(self.coll.name())
-                    .estimated_document_count(),
-            )
-            .await;
-        if let (Ok(0), Ok(n)) = (ours, theirs)
-            && n > 0
-        {
-            tracing::warn!(
-                database = self.db.name(),
-                other_database = other,
-                records_there = n,
-                "this database's timeouts collection is empty but the other spelling of the ServiceConnect database holds records: set [mongodb] database to the one your services write"
-            );
-        }
     }
 
     /// Deletes the given records that `owner` still holds under a live lease; returns how
@@ -401,6 +328,7 @@ impl Store {
             .coll
             .find(doc! { field::ID: { "$in": ids } })
             .projection(doc! { field::ID: 1 })
+            .max_time(self.server_limit())
             .await?
             .try_collect()
             .await?;
@@ -499,6 +427,22 @@ impl Store {
     pub async fn learn_shapes(&self) -> Result<Vec<Shape>, StoreError> {
         self.shapes.learn(self).await
     }
+}
+
+/// Tests only (`shutdown-stall=return(MS)`): a step of the shutdown that takes MS (a client
+/// close, a task's end), to show that all of them share one deadline.
+pub async fn shutdown_stall() {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(ms)) = fail::eval("shutdown-stall", |arg| {
+        arg.and_then(|a| a.parse::<u64>().ok())
+    }) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+/// `maxTimeMS` for a limit: whole milliseconds, at least 1 (0 would mean no limit).
+pub fn max_time_ms(limit: Duration) -> i64 {
+    i64::try_from(limit.as_millis()).unwrap_or(i64::MAX).max(1)
 }
 
 /// A time `d` after the server's `now`.

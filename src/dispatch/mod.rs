@@ -45,6 +45,7 @@ use crate::health::Health;
 use crate::metrics as m;
 use crate::publisher::{PublishError, Publisher, SendOutcome};
 use crate::record::TimeoutRecord;
+use crate::serverload::Pacing;
 use crate::store::{Claim, Store, StoreError};
 use crate::supervisor::panic_message;
 use claim::WaveSignals;
@@ -122,7 +123,8 @@ pub struct Dispatcher {
     next_connect: Instant,
     link_backoff: Backoff,
     claims: ClaimSchedule,
-    claim_backoff: Backoff,
+    /// When a claim may run again after one failed ([`crate::serverload`]).
+    claim_pacing: Pacing,
     held: Held,
     /// The records of the wave being published, in message order.
     in_flight: Vec<Ready>,
@@ -151,6 +153,7 @@ impl Dispatcher {
         wake: Arc<Notify>,
     ) -> Self {
         let poll = config.dispatch.poll_interval;
+        let claim_pacing = Pacing::new(config.mongodb.operation_timeout);
         let limits = crate::ratelimit::RateLimits::new(&config.dispatch);
         Self {
             config,
@@ -164,7 +167,7 @@ impl Dispatcher {
             next_connect: Instant::now(),
             link_backoff: Backoff::reconnect(),
             claims: ClaimSchedule::new(poll),
-            claim_backoff: Backoff::reconnect(),
+            claim_pacing,
             held: Held::default(),
             in_flight: Vec::new(),
             confirmed: Vec::new(),
@@ -215,6 +218,7 @@ impl Dispatcher {
         if let Some(mut publisher) = self.publisher.take() {
             publisher.close().await;
         }
+        crate::store::shutdown_stall().await;
         tracing::info!("dispatch loop stopped");
         match self.failed {
             Some(what) => Err(DispatchError::Panicked(what)),
@@ -350,7 +354,9 @@ impl Dispatcher {
             self.link_up = false;
         } else if self.claims.is_running() {
             // Settling tasks catch their own panics, so this was the claim.
-            let wait = self.claim_backoff.next_delay();
+            let wait = self
+                .claim_pacing
+                .failed(&StoreError::Panicked("the claim task died".into()));
             self.claims.failed(wait);
         }
     }
