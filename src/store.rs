@@ -209,6 +209,7 @@ impl Store {
     ) -> Result<T, StoreError> {
         let counted = crate::serverload::CallInFlight::start(self.op_timeout);
         let result = crate::deadline::within(self.op_timeout, what, call).await;
+        // Past its deadline it may still run on the server: counted on (see CallInFlight).
         if !matches!(result, Err(StoreError::Deadline(_))) {
             counted.finished();
         }
@@ -242,8 +243,11 @@ impl Store {
         &self,
         call: impl std::future::IntoFuture<Output = Result<T, mongodb::error::Error>>,
     ) -> Result<T, StoreError> {
-        self.bounded("a MongoDB query", async { Ok(call.into_future().await?) })
-            .await
+        // Not counted on its own: it runs within a counted `bounded` call.
+        crate::deadline::within(self.op_timeout, "a MongoDB query", async {
+            Ok(call.into_future().await?)
+        })
+        .await
     }
 
     /// Awaits one MongoDB call (or a background task's set of calls) and records its duration in
