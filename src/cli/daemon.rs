@@ -19,13 +19,16 @@ use crate::operator::control::ControlState;
 use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
 use crate::store::clock::ServerClock;
+use crate::store::serverload::Pacing;
 use crate::store::{Store, StoreError};
 use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};
 
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 
-/// How long after `shutdown_timeout` the daemon waits for the dispatch loop's releases.
+/// How long after `shutdown_timeout` the daemon may take, in all, for the dispatch loop's
+/// releases, the HTTP endpoints and closing the MongoDB client: the exit after a SIGTERM is
+/// bounded by `shutdown_timeout` + `SHUTDOWN_GRACE`.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// What stops the daemon, other than a signal.
@@ -60,9 +63,13 @@ pub async fn run_with(
     on_listen: impl FnOnce(SocketAddr),
 ) -> Result<(), DaemonError> {
     let config = Arc::new(config);
-    let store = Store::connect(&config.mongodb, clock)
-        .await?
-        .with_settings(&config);
+    // Parsing the URI can resolve DNS (mongodb+srv): it yields to shutdown like every other
+    // step of start-up.
+    let store = tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => return Ok(()),
+        store = Store::connect(&config.mongodb, clock) => store?.with_settings(&config),
+    };
     let publisher = Publisher::new(&config.rabbitmq)?;
     // Kept to close the client at the end, within a deadline, before the runtime goes.
     let client = store.clone();
@@ -103,17 +110,29 @@ pub async fn run_with(
         "timeoutd starting"
     );
 
-    let mut started = Ok(());
-    if wait_for_mongodb(&store, &health, &shutdown).await {
-        started = start(&config, store, publisher, &health, &shutdown, &mut tasks).await;
-    }
+    // Every step of start-up yields to shutdown: a SIGTERM while a call waits for its
+    // deadline ends start-up at once (what it spawned sees the same token).
+    let starting = async {
+        if wait_for_mongodb(&store, &health, &shutdown).await {
+            start(&config, store, publisher, &health, &shutdown, &mut tasks).await
+        } else {
+            Ok(())
+        }
+    };
+    let started = tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => Ok(()),
+        started = starting => started,
+    };
     if started.is_err() {
         shutdown.cancel();
     }
-    // The dispatch loop bounds its own wait by shutdown_timeout; the margin covers the
-    // releases that follow.
+    // One deadline for everything after shutdown began: the drain (the dispatch loop bounds
+    // its own wait by shutdown_timeout; the margin covers the releases that follow), the
+    // lasting tasks and the MongoDB client's close share `shutdown_timeout` + SHUTDOWN_GRACE.
     let drain = config.dispatch.shutdown_timeout + SHUTDOWN_GRACE;
-    let supervised = tasks.watch(drain).await;
+    #[allow(unused_mut)]
+    let (supervised, mut deadline) = tasks.watch(drain).await;
     // Tests only: keep answering 503 a while after a failure, so that a probe sees it.
     #[cfg(feature = "failpoints")]
     if supervised.is_err()
@@ -122,10 +141,12 @@ pub async fn run_with(
         })
     {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+        deadline += Duration::from_millis(ms);
     }
     http_stop.cancel();
-    tasks.finish(SHUTDOWN_GRACE).await;
-    if !client.close(SHUTDOWN_GRACE).await {
+    tasks.finish(deadline).await;
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    if !client.close(left).await {
         tracing::debug!("the MongoDB client did not close in time");
     }
     started?;
@@ -143,10 +164,17 @@ async fn start(
     shutdown: &CancellationToken,
     tasks: &mut Supervisor,
 ) -> Result<(), DaemonError> {
-    match store
-        .bounded("check the deployment", store.durability_risks())
-        .await
-    {
+    let check = async {
+        // Tests only: a start-up call that takes MS (`start-up-call-delay=return(MS)`).
+        #[cfg(feature = "failpoints")]
+        if let Some(Some(ms)) = fail::eval("start-up-call-delay", |arg| {
+            arg.and_then(|a| a.parse::<u64>().ok())
+        }) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        store.durability_risks().await
+    };
+    match store.bounded("check the deployment", check).await {
         Ok(risks) => {
             for risk in risks {
                 tracing::warn!(%risk, "MongoDB settings weaken the lease");
@@ -154,16 +182,19 @@ async fn start(
         }
         Err(e) => tracing::warn!(error = %e, "could not check the MongoDB deployment's settings"),
     }
-    store
-        .bounded("create indexes", store.ensure_indexes())
-        .await?;
-    let parking = store.parking();
-    if let Err(e) = store
-        .bounded("create parking indexes", parking.ensure_indexes())
-        .await
-    {
-        tracing::warn!(error = %e, "could not create the parking and attempts indexes; continuing");
-    }
+    // Never waited for: dispatching starts with the indexes that exist while this task asks
+    // for the missing ones (a build on a large collection outlasts any deadline).
+    tasks.spawn(
+        "indexes",
+        ok({
+            let (store, shutdown) = (store.clone(), shutdown.clone());
+            async move {
+                crate::store::indexes::build(store, shutdown.clone()).await;
+                // Done: it ends with the others, at shutdown.
+                shutdown.cancelled().await;
+            }
+        }),
+    );
     tasks.spawn(
         "monitor",
         ok(monitor(
@@ -181,12 +212,6 @@ async fn start(
             shutdown.clone(),
         )),
     );
-    if let Err(e) = store
-        .bounded("create control indexes", store.ensure_control_indexes())
-        .await
-    {
-        tracing::warn!(error = %e, "could not create the control collection's indexes; continuing");
-    }
     // Pauses in force before the first claim, so a starting instance claims none of them.
     let control = Arc::new(ControlState::default());
     match store.bounded("read pauses", store.read_control()).await {
@@ -305,30 +330,41 @@ async fn monitor(
     let parking = store.parking();
     let mut shapes = MonitorShapes::default();
     let mut clock_read = Instant::now();
+    // Each reading is paced on its own: after a failure it is skipped until its back-off has
+    // passed, after a timeout until the abandoned run has ended on the server.
+    let paced = || Pacing::new(store.operation_timeout());
+    let (mut backlog, mut clock) = (paced(), paced());
     loop {
-        let at = Instant::now();
-        let reading = Store::timed("backlog", async {
-            let shapes = shapes.current(&store).await?;
-            tokio::try_join!(
-                store.read_backlog(&shapes, crate::maintenance::census::BACKLOG_COUNTED_UP_TO, &rate_limited),
-                store.bounded("count parked records", parking.count())
-            )
-        });
-        let reading = tokio::select! {
-            r = reading => r,
-            _ = shutdown.cancelled() => return,
-        };
-        match reading {
-            Ok((r, parked)) => {
-                m::backlog(r.due, r.oldest_due_age_seconds);
-                m::paused_backlog(r.paused_due);
-                m::parked_records(parked);
-                let oldest = r.oldest_unclaimed.as_ref();
-                let oldest = oldest.map(|(id, due)| (id, due.timestamp_millis()));
-                health.progress().observed(at, oldest);
-                m::due_unclaimed(health.progress().unclaimed_for());
+        if backlog.ready() {
+            let at = Instant::now();
+            let reading = Store::timed("backlog", async {
+                let shapes = shapes.current(&store).await?;
+                tokio::try_join!(
+                    store.read_backlog(
+                        &shapes,
+                        crate::maintenance::census::BACKLOG_COUNTED_UP_TO,
+                        &rate_limited
+                    ),
+                    store.bounded("count parked records", parking.count())
+                )
+            });
+            let reading = tokio::select! {
+                r = reading => r,
+                _ = shutdown.cancelled() => return,
+            };
+            backlog.record(&reading);
+            match reading {
+                Ok((r, parked)) => {
+                    m::backlog(r.due, r.oldest_due_age_seconds);
+                    m::paused_backlog(r.paused_due);
+                    m::parked_records(parked);
+                    let oldest = r.oldest_unclaimed.as_ref();
+                    let oldest = oldest.map(|(id, due)| (id, due.timestamp_millis()));
+                    health.progress().observed(at, oldest);
+                    m::due_unclaimed(health.progress().unclaimed_for());
+                }
+                Err(e) => tracing::debug!(error = %e, "backlog query failed"),
             }
-            Err(e) => tracing::debug!(error = %e, "backlog query failed"),
         }
         let wait = health
             .progress()
@@ -338,11 +374,13 @@ async fn monitor(
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.cancelled() => return,
         }
-        if clock_read.elapsed() >= MONITOR_INTERVAL {
+        if clock_read.elapsed() >= MONITOR_INTERVAL && clock.ready() {
             clock_read = Instant::now();
-            if let Err(e) = read_server_clock(&store, &health).await {
+            let result = read_server_clock(&store, &health).await;
+            if let Err(e) = &result {
                 tracing::warn!(error = %e, "could not refresh the server clock offset");
             }
+            clock.record(&result);
         }
     }
 }

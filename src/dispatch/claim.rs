@@ -63,7 +63,8 @@ impl Dispatcher {
             Ok(claim) => claim,
             Err(e) => {
                 self.health.set_up(m::MONGODB, false);
-                let wait = self.claim_backoff.next_delay();
+                // After a timeout, not before the abandoned run ended on the server.
+                let wait = self.claim_pacing.failed(&e);
                 tracing::warn!(error = %e, retry_in = ?wait, "claim failed");
                 self.claims.failed(wait);
                 return;
@@ -74,7 +75,7 @@ impl Dispatcher {
             // The claim path reaches due records (taken, or lost to a racing instance).
             self.health.progress().made();
         }
-        self.claim_backoff.reset();
+        self.claim_pacing.record(&Ok::<(), StoreError>(()));
         m::claim_duration(started.elapsed().saturating_sub(waited));
         self.claims.finished(started, claim.more);
         if claim.rows.is_empty() {

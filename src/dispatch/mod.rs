@@ -53,6 +53,7 @@ use crate::metrics as m;
 use crate::record::TimeoutRecord;
 use crate::service::health::Health;
 use crate::service::supervisor::panic_message;
+use crate::store::serverload::Pacing;
 use crate::store::{Claim, Store, StoreError};
 use claim::WaveSignals;
 pub use claim::triage;
@@ -129,7 +130,8 @@ pub struct Dispatcher {
     next_connect: Instant,
     link_backoff: Backoff,
     claims: ClaimSchedule,
-    claim_backoff: Backoff,
+    /// When a claim may run again after one failed ([`crate::store::serverload`]).
+    claim_pacing: Pacing,
     held: Held,
     /// The records of the wave being published, in message order.
     in_flight: Vec<Ready>,
@@ -161,6 +163,7 @@ impl Dispatcher {
         wake: Arc<Notify>,
     ) -> Self {
         let poll = config.dispatch.poll_interval;
+        let claim_pacing = Pacing::new(config.mongodb.operation_timeout);
         let limits = crate::dispatch::ratelimit::RateLimits::new(&config.dispatch);
         Self {
             config,
@@ -174,7 +177,7 @@ impl Dispatcher {
             next_connect: Instant::now(),
             link_backoff: Backoff::reconnect(),
             claims: ClaimSchedule::new(poll),
-            claim_backoff: Backoff::reconnect(),
+            claim_pacing,
             held: Held::default(),
             in_flight: Vec::new(),
             confirmed: Vec::new(),
@@ -226,6 +229,7 @@ impl Dispatcher {
         if let Some(mut publisher) = self.publisher.take() {
             publisher.close().await;
         }
+        crate::store::shutdown_stall().await;
         tracing::info!("dispatch loop stopped");
         match self.failed {
             Some(what) => Err(DispatchError::Panicked(what)),
@@ -361,7 +365,9 @@ impl Dispatcher {
             self.link_up = false;
         } else if self.claims.is_running() {
             // Settling tasks catch their own panics, so this was the claim.
-            let wait = self.claim_backoff.next_delay();
+            let wait = self
+                .claim_pacing
+                .failed(&StoreError::Panicked("the claim task died".into()));
             self.claims.failed(wait);
         }
     }

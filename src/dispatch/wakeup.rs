@@ -24,12 +24,15 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut told = false;
+    let mut opening = crate::store::serverload::Pacing::new(store.operation_timeout());
     while !shutdown.is_cancelled() {
+        let mut retry = RETRY;
         match store
             .bounded("open the change stream", store.watch_inserts())
             .await
         {
             Ok(mut stream) => {
+                opening.record(&Ok::<(), crate::store::StoreError>(()));
                 tracing::debug!("watching inserts (change stream)");
                 told = false;
                 loop {
@@ -56,14 +59,18 @@ pub async fn run(
                     }
                 }
             }
-            Err(e) if !told => {
-                tracing::info!(error = %e, "no change stream on the timeouts collection: records inserted due sooner than the next poll fire at that poll");
-                told = true;
+            Err(e) => {
+                retry = retry.max(opening.failed(&e));
+                if !told {
+                    tracing::info!(error = %e, "no change stream on the timeouts collection: records inserted due sooner than the next poll fire at that poll");
+                    told = true;
+                } else {
+                    tracing::debug!(error = %e, "change stream still unavailable");
+                }
             }
-            Err(e) => tracing::debug!(error = %e, "change stream still unavailable"),
         }
         tokio::select! {
-            _ = tokio::time::sleep(RETRY) => {}
+            _ = tokio::time::sleep(retry) => {}
             _ = shutdown.cancelled() => return,
         }
     }

@@ -114,7 +114,8 @@ impl Store {
                 .query(
                     self.coll
                         .find_one(shape.due_between(None, now))
-                        .sort(shape.sort()),
+                        .sort(shape.sort())
+                        .max_time(self.server_limit()),
                 )
                 .await?;
             if let Some(due) = first.and_then(|d| TimeoutRecord::decode_due(&d, self.encoding)) {
@@ -133,7 +134,13 @@ impl Store {
     pub async fn stats(&self) -> Result<Stats, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
-        let count = |filter: Document| self.query(self.coll.count_documents(filter));
+        let count = |filter: Document| {
+            self.query(
+                self.coll
+                    .count_documents(filter)
+                    .max_time(self.server_limit()),
+            )
+        };
         let not_due = lease::all_of([
             lease::due_after(now, &shapes),
             doc! { field::LOCKED: false },
@@ -169,7 +176,13 @@ impl Store {
     /// once, and warns (at most every [`FOREIGN_WARNING_EVERY`]) when records are locked as
     /// timeoutd never locks them: another dispatcher is claiming in this collection.
     pub async fn census(&self, state: &CensusState) -> Result<Census, StoreError> {
-        let count = |filter: Document| self.query(self.coll.count_documents(filter));
+        let count = |filter: Document| {
+            self.query(
+                self.coll
+                    .count_documents(filter)
+                    .max_time(self.server_limit()),
+            )
+        };
         let (unschedulable, stuck_locks, foreign_locks, odd_locked) = tokio::try_join!(
             count(self.unschedulable_filter()),
             count(lease::stuck()),
@@ -209,6 +222,7 @@ impl Store {
                     .find(odd_locked_filter())
                     .projection(doc! { field::ID: 1, field::LOCKED: 1, field::DESTINATION: 1 })
                     .limit(NAMED_PER_CENSUS)
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await
@@ -236,6 +250,7 @@ impl Store {
                     .find(self.unschedulable_filter())
                     .projection(doc! { field::ID: 1, field::TIME: 1, field::DESTINATION: 1 })
                     .limit(NAMED_PER_CENSUS)
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await
@@ -272,6 +287,7 @@ impl Store {
                     .find(lease::stuck())
                     .projection(doc! { field::ID: 1 })
                     .limit(STUCK_TRACKED)
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await

@@ -9,6 +9,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::operator::control::ControlState;
 use crate::store::Store;
+use crate::store::serverload::Pacing;
+use crate::store::StoreError;
 
 /// How long to wait before opening the control collection's change stream again.
 const REOPEN_STREAM: Duration = Duration::from_secs(30);
@@ -26,8 +28,13 @@ pub async fn watch(
 ) {
     let mut stream = None;
     let mut opened_at: Option<std::time::Instant> = None;
+    // After a failed read, the next waits out its back-off ([`crate::store::serverload`]).
+    let mut reading = Pacing::new(store.operation_timeout());
     loop {
-        read_once(&store, &state, &changed).await;
+        if reading.ready() {
+            let result = read_once(&store, &state, &changed).await;
+            reading.record(&result);
+        }
         if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
             opened_at = Some(std::time::Instant::now());
             stream = store
@@ -55,7 +62,11 @@ pub async fn watch(
     }
 }
 
-async fn read_once(store: &Store, state: &ControlState, changed: &tokio::sync::Notify) {
+async fn read_once(
+    store: &Store,
+    state: &ControlState,
+    changed: &tokio::sync::Notify,
+) -> Result<(), StoreError> {
     match store.bounded("read pauses", store.read_control()).await {
         Ok(next) => {
             let now_ms = store.clock().now().timestamp_millis();
@@ -73,7 +84,11 @@ async fn read_once(store: &Store, state: &ControlState, changed: &tokio::sync::N
                 }
                 changed.notify_one();
             }
+            Ok(())
         }
-        Err(e) => tracing::warn!(error = %e, "could not read pauses; keeping the last ones"),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read pauses; keeping the last ones");
+            Err(e)
+        }
     }
 }

@@ -18,12 +18,15 @@ use tokio_util::sync::CancellationToken;
 
 use crate::maintenance::census::CensusState;
 use crate::metrics as m;
-use crate::store::Store;
+use crate::store::serverload::Pacing;
+use crate::store::{Store, StoreError};
 
 /// How often stuck locks are looked for and the census gauges refreshed.
 pub const CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 
-/// Runs until `shutdown` is cancelled.
+/// Runs until `shutdown` is cancelled. Each of its three calls is paced
+/// ([`crate::store::serverload::Pacing`]): after a failure a tick is skipped until its back-off has
+/// passed, and after a timeout until the abandoned run has ended on the server.
 pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) {
     let mut reap = tokio::time::interval(interval);
     reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -35,20 +38,33 @@ pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) 
     // What the census remembers between passes: the stuck records and when each was first
     // seen, the records already named, the last warning about another dispatcher.
     let state = CensusState::default();
+    let paced = || Pacing::new(store.operation_timeout());
+    let (mut reaping, mut freeing, mut counting) = (paced(), paced(), paced());
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = reap.tick() => pass(&store).await,
+            _ = reap.tick() => {
+                if reaping.ready() {
+                    let result = pass(&store).await;
+                    reaping.record(&result);
+                }
+            }
             _ = census.tick() => {
-                free_stuck(&store, &state).await;
-                take_census(&store, &state).await;
+                if freeing.ready() {
+                    let result = free_stuck(&store, &state).await;
+                    freeing.record(&result);
+                }
+                if counting.ready() {
+                    let result = take_census(&store, &state).await;
+                    counting.record(&result);
+                }
             }
         }
     }
 }
 
 /// One reaper pass: frees expired leases. Bounded by `[mongodb] operation_timeout`.
-pub async fn pass(store: &Store) {
+pub async fn pass(store: &Store) -> Result<(), StoreError> {
     // Tests only: the reaper panics (supervision tests). The panic is raised here rather than
     // by the fail crate's own `panic` action, which poisons its registry.
     #[cfg(feature = "failpoints")]
@@ -59,17 +75,21 @@ pub async fn pass(store: &Store) {
         .bounded("reap", Store::timed("reap", store.reap()))
         .await
     {
-        Ok(0) => {}
+        Ok(0) => Ok(()),
         Ok(n) => {
             m::reaped(n);
             tracing::info!(freed = n, "reaper freed expired leases");
+            Ok(())
         }
-        Err(e) => tracing::warn!(error = %e, "reaper pass failed; trying again next interval"),
+        Err(e) => {
+            tracing::warn!(error = %e, "reaper pass failed; trying again after a back-off");
+            Err(e)
+        }
     }
 }
 
 /// Frees the records locked with no lease expiry for a whole lease.
-async fn free_stuck(store: &Store, state: &CensusState) {
+async fn free_stuck(store: &Store, state: &CensusState) -> Result<(), StoreError> {
     match store
         .bounded(
             "free stuck locks",
@@ -77,21 +97,23 @@ async fn free_stuck(store: &Store, state: &CensusState) {
         )
         .await
     {
-        Ok(0) => {}
+        Ok(0) => Ok(()),
         Ok(n) => {
             m::stuck_freed(n);
             tracing::warn!(
                 freed = n,
                 "reaper freed records locked with no lease expiry for a whole lease (left by another dispatcher)"
             );
+            Ok(())
         }
         Err(e) => {
-            tracing::warn!(error = %e, "freeing stuck locks failed; trying again next interval")
+            tracing::warn!(error = %e, "freeing stuck locks failed; trying again after a back-off");
+            Err(e)
         }
     }
 }
 
-async fn take_census(store: &Store, state: &CensusState) {
+async fn take_census(store: &Store, state: &CensusState) -> Result<(), StoreError> {
     match store
         .bounded(
             "take the census",
@@ -108,7 +130,11 @@ async fn take_census(store: &Store, state: &CensusState) {
                 foreign_locks = c.foreign_locks,
                 "census taken"
             );
+            Ok(())
         }
-        Err(e) => tracing::debug!(error = %e, "census failed; trying again"),
+        Err(e) => {
+            tracing::debug!(error = %e, "census failed; trying again after a back-off");
+            Err(e)
+        }
     }
 }

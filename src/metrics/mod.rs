@@ -63,7 +63,7 @@ pub const MONGODB_CALLS: &[&str] = &[
 pub const BACKGROUND_CALLS: &[&str] = &["backlog", "census", "reap", "shapes"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &[
-    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control",
+    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control", "indexes",
 ];
 
 /// A series' Prometheus type.
@@ -377,6 +377,24 @@ pub const SERIES: &[Series] = &[
         HELD_BACK_REASONS,
         Start::Zero,
     ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_mongodb_calls_in_flight",
+            Gauge,
+            None,
+            "MongoDB calls this instance may have running on the server: started and not returned, or abandoned at their deadline less than twice operation_timeout after they started (the server's maxTimeMS ends them).",
+        )
+    },
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_indexes_missing",
+            Gauge,
+            None,
+            "Indexes timeoutd asked for that do not exist yet (being built, or their creation failed); claims use the indexes that exist meanwhile.",
+        )
+    },
 ];
 
 /// Gives every series its HELP text and registers the counters, histograms and known label

@@ -121,6 +121,16 @@ pub fn census(unschedulable: u64, stuck_locks: u64, odd_locked: u64) {
     metrics::gauge!("timeoutd_odd_locked_records").set(odd_locked as f64);
 }
 
+/// `timeoutd_mongodb_calls_in_flight` (see [`crate::store::serverload::in_flight`]).
+pub fn calls_in_flight(n: usize) {
+    metrics::gauge!("timeoutd_mongodb_calls_in_flight").set(n as f64);
+}
+
+/// `timeoutd_indexes_missing`: indexes asked for and not there yet.
+pub fn indexes_missing(n: usize) {
+    metrics::gauge!("timeoutd_indexes_missing").set(n as f64);
+}
+
 /// Whether the daemon runs all its essential tasks.
 pub fn up(up: bool) {
     metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });

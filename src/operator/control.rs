@@ -282,6 +282,7 @@ impl Store {
             self.control
                 .find(doc! { "kind": kind })
                 .limit(10_000)
+                .max_time(self.server_limit())
                 .await?
                 .try_collect()
                 .await
@@ -336,13 +337,16 @@ impl Store {
         let mut out = Vec::new();
         for p in self.pauses().await? {
             let mine = doc! { crate::record::field::DESTINATION: &p.destination };
-            let due = crate::store::lease::all_of([
-                crate::store::lease::due_by(now, &shapes),
-                mine.clone(),
-            ]);
-            let due = self.query(self.coll.count_documents(due)).await?;
+            let due = crate::store::lease::all_of([crate::store::lease::due_by(now, &shapes), mine.clone()]);
+            let limit = self.server_limit();
+            let due = self
+                .query(self.coll.count_documents(due).max_time(limit))
+                .await?;
             let all = match total {
-                true => Some(self.query(self.coll.count_documents(mine)).await?),
+                true => Some(
+                    self.query(self.coll.count_documents(mine).max_time(limit))
+                        .await?,
+                ),
                 false => None,
             };
             out.push((p, due, all));

@@ -86,8 +86,12 @@ impl Supervisor {
     }
 
     /// Waits for shutdown or for the first failure (which starts shutdown), then for every
-    /// task but the lasting ones to end, at most `drain` long. Returns the failure, if any.
-    pub async fn watch(&mut self, drain: Duration) -> Result<(), TaskFailed> {
+    /// task but the lasting ones to end, at most `drain` long. Returns the failure, if any,
+    /// and the deadline (`drain` after shutdown began) that everything after must meet too.
+    pub async fn watch(
+        &mut self,
+        drain: Duration,
+    ) -> (Result<(), TaskFailed>, tokio::time::Instant) {
         let mut failure = None;
         while !self.shutdown.is_cancelled() {
             tokio::select! {
@@ -106,7 +110,8 @@ impl Supervisor {
                 }
             }
         }
-        let drained = tokio::time::timeout(drain, async {
+        let deadline = tokio::time::Instant::now() + drain;
+        let drained = tokio::time::timeout_at(deadline, async {
             while self.tasks.len() > self.lasting {
                 let Some(joined) = self.tasks.join_next_with_id().await else {
                     break;
@@ -121,12 +126,13 @@ impl Supervisor {
         if drained.is_err() {
             tracing::warn!(timeout = ?drain, "tasks did not stop in time; the leases they hold will expire");
         }
-        failure.map_or(Ok(()), Err)
+        (failure.map_or(Ok(()), Err), deadline)
     }
 
-    /// Ends the lasting tasks (their own tokens were cancelled) and anything left.
-    pub async fn finish(mut self, within: Duration) {
-        if tokio::time::timeout(within, async {
+    /// Ends the lasting tasks (their own tokens were cancelled) and anything left, by
+    /// `deadline`; what has not ended then is aborted.
+    pub async fn finish(mut self, deadline: tokio::time::Instant) {
+        if tokio::time::timeout_at(deadline, async {
             while self.tasks.join_next().await.is_some() {}
         })
         .await

@@ -97,7 +97,8 @@ impl Store {
             .query(
                 self.coll
                     .count_documents(lease::except(claimable, &paused))
-                    .limit(up_to),
+                    .limit(up_to)
+                    .max_time(self.server_limit()),
             )
             .await?;
         let paused_due = match paused.is_empty() {
@@ -107,8 +108,13 @@ impl Store {
                     lease::due_by(now, shapes),
                     doc! { field::DESTINATION: { "$in": paused.clone() } },
                 ]);
-                self.query(self.coll.count_documents(of_paused).limit(up_to))
-                    .await?
+                self.query(
+                    self.coll
+                        .count_documents(of_paused)
+                        .limit(up_to)
+                        .max_time(self.server_limit()),
+                )
+                .await?
             }
         };
         let mut oldest_due: Option<DateTime> = None;
@@ -148,7 +154,8 @@ impl Store {
                 self.coll
                     .find_one(filter)
                     .sort(shape.sort())
-                    .projection(doc! { field::ID: 1, field::TIME: 1 }),
+                    .projection(doc! { field::ID: 1, field::TIME: 1 })
+                    .max_time(self.server_limit()),
             )
             .await?;
         Ok(first.map(|d| {

@@ -214,6 +214,7 @@ impl Store {
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
+                .max_time(self.server_limit())
         });
         let mut found: Vec<(DateTime, Document)> = Vec::new();
         for docs in Self::timed(
@@ -349,6 +350,7 @@ impl Store {
         let docs: Vec<Document> = self
             .coll
             .find(lease::held_many(candidates, lease.owner, self.clock.now()))
+            .max_time(self.server_limit())
             .await?
             .try_collect()
             .await?;

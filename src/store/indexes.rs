@@ -1,14 +1,29 @@
-//! timeoutd's own indexes on the `Timeouts` collection: created where no index serves the
-//! same queries, dropped when one made them redundant; never an index timeoutd did not create.
+//! timeoutd's own indexes, and the start-up task that asks for them.
+//!
+//! Building an index never makes start-up fail: the daemon starts dispatching with the
+//! indexes that exist, while [`build`] asks for the missing ones in the background. On a
+//! large collection `createIndexes` runs far longer than `[mongodb] operation_timeout`; its
+//! call then ends on the client while the build goes on on the server (no `maxTimeMS`: that
+//! would abort the build). The task lists the indexes again after each wait, keeps
+//! `timeoutd_indexes_missing` up to date and logs progress, asks again for an index that is
+//! still missing only after [`ASK_AGAIN`] (asking again joins a build that still runs), and
+//! treats a build that failed as a warning with its reason.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use bson::{Document, doc};
 use futures::TryStreamExt;
 use mongodb::IndexModel;
 use mongodb::options::IndexOptions;
+use tokio_util::sync::CancellationToken;
 
-use super::{Store, StoreError};
 use crate::record::due::Shape;
+use crate::metrics as m;
 use crate::record::field;
+use crate::store::serverload::{Pacing, timed_out};
+use crate::store::{Store, StoreError};
+
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
 /// `timeoutd_due` (`{"Time.0": 1}`, before offsets were served) is no longer used: drop it.
@@ -17,44 +32,72 @@ pub const TICKS_DUE_INDEX: &str = "timeoutd_due_offset";
 pub const LEASE_INDEX: &str = "timeoutd_lease";
 pub const OWNER_INDEX: &str = "timeoutd_owner";
 
+/// How often the start-up task looks at the indexes while one is missing.
+pub const CHECK_EVERY: Duration = Duration::from_secs(10);
+
+/// How long after asking for a missing index it is asked for again.
+pub const ASK_AGAIN: Duration = Duration::from_secs(300);
+
+/// What [`Store::index_plan`] found.
+#[derive(Debug, Clone, Default)]
+pub struct IndexPlan {
+    /// The indexes timeoutd wants (name, keys), whether or not they exist.
+    pub wanted: Vec<(&'static str, Document)>,
+    /// timeoutd's own indexes that another index made redundant.
+    pub redundant: Vec<&'static str>,
+    /// The names of the indexes that exist now.
+    pub existing: Vec<String>,
+}
+
+impl IndexPlan {
+    /// The wanted indexes that do not exist (yet).
+    pub fn missing(&self) -> Vec<(&'static str, Document)> {
+        self.wanted
+            .iter()
+            .filter(|(name, _)| !self.existing.iter().any(|e| e == name))
+            .cloned()
+            .collect()
+    }
+}
+
 impl Store {
-    /// Creates timeoutd's own indexes where no index serves the same queries: one per `Time`
+    /// Which indexes timeoutd wants where no index serves the same queries: one per `Time`
     /// shape served (so each branch of the due query scans only due records, oldest first),
     /// the lease fields (reaper, census) and the owner. The date index is left out when an
     /// index on `Time` already exists (ServiceConnect v7's `Time_1_Locked_1` serves the same
     /// bounds), the lease index when one leads with `LockExpiresAt` (v7's `LockExpiresAt_1`),
     /// the owner index when one leads with `LockedBy` (v7's `LockedBy_1_Locked_1`): every
     /// index is one more the claim's update and the delete maintain for every record. An own
-    /// index made redundant that way (created before v7's appeared) is dropped; no index
-    /// timeoutd did not create is ever touched. Also warns when the collection is empty and
-    /// the other spelling of the ServiceConnect database holds records.
-    pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
-        let existing: Vec<(String, Document)> = match self.query(self.coll.list_indexes()).await {
-            Ok(cursor) => self
-                .query(cursor.try_collect::<Vec<_>>())
-                .await
-                .unwrap_or_default()
-                .into_iter()
-                .map(|m| {
-                    let name = m.options.and_then(|o| o.name).unwrap_or_default();
-                    (name, m.keys)
-                })
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+    /// index made redundant that way (created before v7's appeared) is to be dropped; no
+    /// index timeoutd did not create is ever touched.
+    pub async fn index_plan(&self) -> Result<IndexPlan, StoreError> {
+        let limit = self.server_limit();
+        let listed: Vec<mongodb::IndexModel> =
+            match self.query(self.coll.list_indexes().max_time(limit)).await {
+                Ok(cursor) => self.query(cursor.try_collect::<Vec<_>>()).await?,
+                Err(e) if timed_out(&e) => return Err(e),
+                // No collection yet (servers differ in how they say so): no index either.
+                Err(_) => Vec::new(),
+            };
+        let existing: Vec<(String, Document)> = listed
+            .into_iter()
+            .map(|m| {
+                let name = m.options.and_then(|o| o.name).unwrap_or_default();
+                (name, m.keys)
+            })
+            .collect();
         let served = |first: &str, ours: &str| {
             existing
                 .iter()
                 .any(|(name, keys)| name != ours && keys.keys().next().is_some_and(|f| f == first))
         };
-        let mut indexes = Vec::new();
+        let mut plan = IndexPlan::default();
         if self.encoding.reads_dates() && !served(field::TIME, DATE_DUE_INDEX) {
-            indexes.push((DATE_DUE_INDEX, Shape::Date.sort()));
+            plan.wanted.push((DATE_DUE_INDEX, Shape::Date.sort()));
         }
         if self.encoding.reads_ticks() {
-            indexes.push((TICKS_DUE_INDEX, Shape::Ticks(0).sort()));
+            plan.wanted.push((TICKS_DUE_INDEX, Shape::Ticks(0).sort()));
         }
-        let mut redundant = Vec::new();
         for (name, first, keys) in [
             (
                 LEASE_INDEX,
@@ -64,23 +107,42 @@ impl Store {
             (OWNER_INDEX, field::LOCKED_BY, doc! { field::LOCKED_BY: 1 }),
         ] {
             if !served(first, name) {
-                indexes.push((name, keys));
+                plan.wanted.push((name, keys));
             } else if existing.iter().any(|(n, _)| n == name) {
-                redundant.push(name);
+                plan.redundant.push(name);
             }
         }
-        for (name, keys) in indexes {
-            let model = IndexModel::builder()
-                .keys(keys.clone())
-                .options(IndexOptions::builder().name(name.to_string()).build())
-                .build();
-            if let Err(e) = self.query(self.coll.create_index(model)).await {
-                // An index with the same keys under another name serves as well.
-                tracing::warn!(index = name, keys = %keys, error = %e, "could not create index; continuing");
-            }
+        plan.existing = existing.into_iter().map(|(name, _)| name).collect();
+        Ok(plan)
+    }
+
+    /// Asks for one index (`createIndexes`, which returns once the build ended). Carries no
+    /// `maxTimeMS`: that would abort the build on the server.
+    pub async fn create_named_index(
+        &self,
+        name: &'static str,
+        keys: Document,
+    ) -> Result<(), StoreError> {
+        // Tests only: a build that takes this many ms (a large collection).
+        #[cfg(feature = "failpoints")]
+        if let Some(Some(ms)) = fail::eval("create-index-delay", |arg| {
+            arg.and_then(|a| a.parse::<u64>().ok())
+        }) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
         }
+        let model = IndexModel::builder()
+            .keys(keys)
+            .options(IndexOptions::builder().name(name.to_string()).build())
+            .build();
+        self.query(self.coll.create_index(model)).await?;
+        Ok(())
+    }
+
+    /// Drops timeoutd's own indexes that another index made redundant.
+    async fn drop_redundant(&self, redundant: &[&'static str]) {
         for name in redundant {
-            match self.query(self.coll.drop_index(name)).await {
+            let drop = self.coll.drop_index(*name).max_time(self.server_limit());
+            match self.query(drop).await {
                 Ok(()) => {
                     tracing::info!(
                         index = name,
@@ -93,6 +155,21 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// Creates the indexes of [`Store::index_plan`] and drops the redundant ones, each under
+    /// `operation_timeout`, in one go (the `ensure-indexes` path of tests and benchmarks; the
+    /// daemon uses [`build`]). Also warns when the collection is empty and the other spelling
+    /// of the ServiceConnect database holds records.
+    pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
+        let plan = self.index_plan().await?;
+        for (name, keys) in plan.missing() {
+            if let Err(e) = self.create_named_index(name, keys.clone()).await {
+                // An index with the same keys under another name serves as well.
+                tracing::warn!(index = name, keys = %keys, error = %e, "could not create index; continuing");
+            }
+        }
+        self.drop_redundant(&plan.redundant).await;
         self.warn_if_other_spelling_holds_records().await;
         Ok(())
     }
@@ -106,14 +183,21 @@ impl Store {
             LEASE_ERA_DATABASE => PUBLIC_DATABASE,
             _ => return,
         };
-        let ours = self.query(self.coll.estimated_document_count()).await;
+        let ours = self
+            .query(
+                self.coll
+                    .estimated_document_count()
+                    .max_time(self.server_limit()),
+            )
+            .await;
         let theirs = self
             .query(
                 self.db
                     .client()
                     .database(other)
                     .collection::<Document>(self.coll.name())
-                    .estimated_document_count(),
+                    .estimated_document_count()
+                    .max_time(self.server_limit()),
             )
             .await;
         if let (Ok(0), Ok(n)) = (ours, theirs)
@@ -125,6 +209,93 @@ impl Store {
                 records_there = n,
                 "this database's timeouts collection is empty but the other spelling of the ServiceConnect database holds records: set [mongodb] database to the one your services write"
             );
+        }
+    }
+}
+
+/// The start-up task: asks for timeoutd's indexes (and those of its parking, attempts and
+/// control collections) and watches them until every one exists, or until shutdown. Never
+/// fails: a build that fails is logged with its reason and asked for again later.
+pub async fn build(store: Store, shutdown: CancellationToken) {
+    let parking = store.parking();
+    let own = async {
+        let created = store.bounded("create parking indexes", parking.ensure_indexes());
+        if let Err(e) = created.await {
+            tracing::warn!(error = %e, "could not create the parking and attempts indexes; continuing");
+        }
+        let created = store.bounded("create control indexes", store.ensure_control_indexes());
+        if let Err(e) = created.await {
+            tracing::warn!(error = %e, "could not create the control collection's indexes; continuing");
+        }
+    };
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = own => {}
+    }
+    let mut listing = Pacing::new(store.operation_timeout());
+    let mut asked: HashMap<&'static str, Instant> = HashMap::new();
+    let mut first = true;
+    loop {
+        let round = async {
+            let plan = store.bounded("list indexes", store.index_plan()).await;
+            listing.record(&plan);
+            let plan = match plan {
+                Ok(plan) => plan,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not list the indexes; dispatching with those that exist");
+                    return false;
+                }
+            };
+            if first {
+                first = false;
+                store.drop_redundant(&plan.redundant).await;
+                store.warn_if_other_spelling_holds_records().await;
+            }
+            let missing = plan.missing();
+            m::indexes_missing(missing.len());
+            if missing.is_empty() {
+                if !asked.is_empty() {
+                    tracing::info!("timeoutd's indexes are built");
+                }
+                return true;
+            }
+            for (name, keys) in missing {
+                if asked.get(name).is_some_and(|t| t.elapsed() < ASK_AGAIN) {
+                    tracing::info!(
+                        index = name,
+                        "index still building on the server; dispatching meanwhile with the indexes that exist"
+                    );
+                    continue;
+                }
+                asked.insert(name, Instant::now());
+                tracing::info!(index = name, keys = %keys, "creating index");
+                match store
+                    .bounded("create an index", store.create_named_index(name, keys))
+                    .await
+                {
+                    Ok(()) => tracing::info!(index = name, "index created"),
+                    Err(e) if timed_out(&e) => {
+                        tracing::info!(index = name, error = %e, "index build goes on on the server; dispatching meanwhile with the indexes that exist")
+                    }
+                    Err(e) => {
+                        // Asked for again after ASK_AGAIN.
+                        tracing::warn!(index = name, error = %e, "could not create index; dispatching with the indexes that exist")
+                    }
+                }
+            }
+            false
+        };
+        let done = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            done = round => done,
+        };
+        if done {
+            break;
+        }
+        let next = listing.next_at().max(Instant::now() + CHECK_EVERY);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep_until(next.into()) => {}
         }
     }
 }

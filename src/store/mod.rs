@@ -11,9 +11,10 @@ pub mod claim;
 pub mod clock;
 pub mod durability;
 pub mod head;
-mod indexes;
+pub mod indexes;
 pub mod lease;
 pub mod parking;
+pub mod serverload;
 pub mod shapes;
 pub mod window;
 
@@ -177,10 +178,11 @@ impl Store {
     /// drop spawns that task (the process is about to exit).
     pub async fn close(&self, within: Duration) -> bool {
         let client = self.db.client().clone();
-        if tokio::time::timeout(within, client.clone().shutdown())
-            .await
-            .is_ok()
-        {
+        let closing = async {
+            shutdown_stall().await;
+            client.clone().shutdown().await
+        };
+        if tokio::time::timeout(within, closing).await.is_ok() {
             return true;
         }
         std::mem::forget(client);
@@ -193,17 +195,48 @@ impl Store {
             self.parked.clone(),
             self.attempts.clone(),
             self.clock.clone(),
+            self.op_timeout,
         )
     }
 
     /// Runs one store call under `[mongodb] operation_timeout`: a server that stops answering
     /// becomes a [`StoreError::Deadline`] naming the call, never a wait without end.
+    /// Counted in `timeoutd_mongodb_calls_in_flight` until it returns, or, when dropped (its
+    /// deadline, shutdown), until the server's `maxTimeMS` has ended it
+    /// ([`crate::store::serverload`]).
     pub async fn bounded<T>(
         &self,
         what: &'static str,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        crate::deadline::within(self.op_timeout, what, call).await
+        let counted = crate::store::serverload::CallInFlight::start(self.op_timeout);
+        let result = crate::deadline::within(self.op_timeout, what, call).await;
+        // Past its deadline it may still run on the server: counted on (see CallInFlight).
+        if !matches!(result, Err(StoreError::Deadline(_))) {
+            counted.finished();
+        }
+        result
+    }
+
+    /// The deadline every read carries to the server (`maxTimeMS`): `[mongodb]
+    /// operation_timeout`, so that a query timeoutd gave up on stops there too.
+    pub fn server_limit(&self) -> Duration {
+        // The largest maxTimeMS a server takes (an int32 of milliseconds), about 24.8 days.
+        self.op_timeout.clamp(
+            Duration::from_millis(1),
+            Duration::from_millis(i32::MAX as u64),
+        )
+    }
+
+    /// `[mongodb] operation_timeout`.
+    pub fn operation_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
+    /// A database command with its `maxTimeMS` ([`Store::server_limit`]).
+    pub(crate) fn command(&self, mut command: Document) -> Document {
+        command.insert("maxTimeMS", max_time_ms(self.server_limit()));
+        command
     }
 
     /// One driver call under `[mongodb] operation_timeout`, its error made a [`StoreError`]:
@@ -212,8 +245,11 @@ impl Store {
         &self,
         call: impl std::future::IntoFuture<Output = Result<T, mongodb::error::Error>>,
     ) -> Result<T, StoreError> {
-        self.bounded("a MongoDB query", async { Ok(call.into_future().await?) })
-            .await
+        // Not counted on its own: it runs within a counted `bounded` call.
+        crate::deadline::within(self.op_timeout, "a MongoDB query", async {
+            Ok(call.into_future().await?)
+        })
+        .await
     }
 
     /// Awaits one MongoDB call (or a background task's set of calls) and records its duration in
@@ -241,7 +277,10 @@ impl Store {
     /// The settings that would let a failover undo a lease write or a read miss one, on the
     /// deployment the server describes (see [`crate::store::durability`]).
     pub async fn durability_risks(&self) -> Result<Vec<String>, StoreError> {
-        let hello = self.db.run_command(doc! { "hello": 1 }).await?;
+        let hello = self
+            .db
+            .run_command(self.command(doc! { "hello": 1 }))
+            .await?;
         Ok(crate::store::durability::risks(
             &hello,
             self.write_concern.as_ref(),
@@ -256,7 +295,10 @@ impl Store {
         let mut best: Option<(Duration, DateTime, std::time::Instant, std::time::Instant)> = None;
         for _ in 0..3 {
             let sent = std::time::Instant::now();
-            let reply = self.db.run_command(doc! { "hello": 1 }).await?;
+            let reply = self
+                .db
+                .run_command(self.command(doc! { "hello": 1 }))
+                .await?;
             let received = std::time::Instant::now();
             let server = *reply
                 .get_datetime("localTime")
@@ -292,6 +334,7 @@ impl Store {
             .coll
             .find(doc! { field::ID: { "$in": ids } })
             .projection(doc! { field::ID: 1 })
+            .max_time(self.server_limit())
             .await?
             .try_collect()
             .await?;
@@ -390,6 +433,22 @@ impl Store {
     pub async fn learn_shapes(&self) -> Result<Vec<Shape>, StoreError> {
         self.shapes.learn(self).await
     }
+}
+
+/// Tests only (`shutdown-stall=return(MS)`): a step of the shutdown that takes MS (a client
+/// close, a task's end), to show that all of them share one deadline.
+pub async fn shutdown_stall() {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(ms)) = fail::eval("shutdown-stall", |arg| {
+        arg.and_then(|a| a.parse::<u64>().ok())
+    }) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+/// `maxTimeMS` for a limit: whole milliseconds, at least 1 (0 would mean no limit).
+pub fn max_time_ms(limit: Duration) -> i64 {
+    i64::try_from(limit.as_millis()).unwrap_or(i64::MAX).max(1)
 }
 
 /// A time `d` after the server's `now`.

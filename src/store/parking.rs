@@ -119,6 +119,8 @@ pub struct Parking {
     parked: Collection<Document>,
     attempts: Collection<Document>,
     clock: ServerClock,
+    /// The `maxTimeMS` of its counts (`[mongodb] operation_timeout`).
+    server_limit: Duration,
 }
 
 impl Parking {
@@ -127,12 +129,14 @@ impl Parking {
         parked: Collection<Document>,
         attempts: Collection<Document>,
         clock: ServerClock,
+        server_limit: Duration,
     ) -> Self {
         Self {
             timeouts,
             parked,
             attempts,
             clock,
+            server_limit,
         }
     }
 
@@ -254,13 +258,21 @@ impl Parking {
 
     /// How many records are parked.
     pub async fn count(&self) -> Result<u64, StoreError> {
-        Ok(self.parked.count_documents(doc! {}).await?)
+        Ok(self
+            .parked
+            .count_documents(doc! {})
+            .max_time(self.server_limit)
+            .await?)
     }
 
     /// How many records have failed sends counted (retrying, or sent in the end and not yet
     /// cleared by the TTL monitor).
     pub async fn count_retrying(&self) -> Result<u64, StoreError> {
-        Ok(self.attempts.count_documents(doc! {}).await?)
+        Ok(self
+            .attempts
+            .count_documents(doc! {})
+            .max_time(self.server_limit)
+            .await?)
     }
 
     /// Finds the parked `_id` that `shown` names (as `parked list` prints it).

@@ -177,7 +177,8 @@ pub(crate) async fn probe_finds_new(
                 store
                     .coll
                     .find_one(doc! { field::TIME_OFFSET: { "$in": unseen_offsets(&seen) } })
-                    .projection(doc! { field::ID: 1 }),
+                    .projection(doc! { field::ID: 1 })
+                    .max_time(store.server_limit()),
             )
             .await?;
         return Ok(new_offset.is_some());
@@ -219,6 +220,7 @@ async fn any_date(store: &Store) -> Result<bool, StoreError> {
                 // (SecantusDB's Python server) cannot read a date past year 9999 in a query.
                 .find_one(doc! { field::TIME: { "$type": "date" } })
                 .projection(doc! { field::ID: 1 })
+                .max_time(store.server_limit())
                 .await
         })
         .await?;
@@ -250,6 +252,7 @@ pub(crate) async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>)
                 store
                     .coll
                     .distinct(field::TIME_OFFSET, Document::new())
+                    .max_time(store.server_limit())
                     .await
             })
             .await?;

@@ -1,0 +1,225 @@
+//! Never add load to a struggling database: the rules, in one place.
+//!
+//! - Every read carries its deadline to the server (`maxTimeMS`, the same
+//!   `[mongodb] operation_timeout` as the client's deadline; [`Store::server_limit`]), so that
+//!   work timeoutd gave up on stops on the server too. The driver (3.x) has no `maxTimeMS`
+//!   for inserts, updates and deletes; those are keyed by `_id` or served by an index.
+//! - A call that failed is retried after an exponential back-off with jitter ([`Pacing`]),
+//!   and one that timed out (the client's deadline, or the server's `maxTimeMS`) not before
+//!   one more `operation_timeout` has passed: the abandoned run may still be running on the
+//!   server until its own `maxTimeMS` ends it. Every loop that calls MongoDB (the claim, the
+//!   reaper, the census, the monitor, the control watcher, the insert watcher) goes through
+//!   one [`Pacing`] per call, so no call runs while its previous run may still run.
+//! - [`in_flight`] counts the calls timeoutd may have running on the server
+//!   (`timeoutd_mongodb_calls_in_flight`): each [`crate::store::Store::bounded`] call from
+//!   its start until it returns, or, for one whose future was dropped (its deadline,
+//!   shutdown), until the server's `maxTimeMS` has surely ended it.
+//!
+//! [`Store::server_limit`]: crate::store::Store::server_limit
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use mongodb::error::ErrorKind;
+
+use crate::backoff::Backoff;
+use crate::store::StoreError;
+
+/// MongoDB's error code for a command stopped by its `maxTimeMS`.
+const MAX_TIME_MS_EXPIRED: i32 = 50;
+
+/// The longest back-off between retries of one failing call (on top of the
+/// `operation_timeout` a timed-out call waits for).
+pub const RETRY_CAP: Duration = Duration::from_secs(30);
+
+/// Whether a call failed by running out of time, on the client or on the server: its run may
+/// still be going on the server.
+pub fn timed_out(e: &StoreError) -> bool {
+    match e {
+        StoreError::Deadline(_) => true,
+        StoreError::Mongo(e) => match e.kind.as_ref() {
+            ErrorKind::Command(c) => c.code == MAX_TIME_MS_EXPIRED,
+            ErrorKind::Io(io) => io.kind() == std::io::ErrorKind::TimedOut,
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// When one recurring MongoDB call may run again.
+#[derive(Debug)]
+pub struct Pacing {
+    backoff: Backoff,
+    /// `[mongodb] operation_timeout`: the longest a timed-out run can outlive its caller on a
+    /// server that honours `maxTimeMS`.
+    server_limit: Duration,
+    not_before: Option<Instant>,
+}
+
+impl Pacing {
+    /// For a call bounded by `operation_timeout`: back-off from 100 ms doubling to
+    /// [`RETRY_CAP`], with jitter.
+    pub fn new(operation_timeout: Duration) -> Self {
+        Self {
+            backoff: Backoff::new(Duration::from_millis(100), RETRY_CAP),
+            server_limit: operation_timeout,
+            not_before: None,
+        }
+    }
+
+    /// Whether the call may start now.
+    pub fn ready(&self) -> bool {
+        self.not_before.is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// The instant the call may start (now, if it may already).
+    pub fn next_at(&self) -> Instant {
+        self.not_before.unwrap_or_else(Instant::now)
+    }
+
+    /// Records the outcome of a run; returns the wait before the next one after a failure.
+    pub fn record<T>(&mut self, result: &Result<T, StoreError>) -> Option<Duration> {
+        match result {
+            Ok(_) => {
+                self.backoff.reset();
+                self.not_before = None;
+                None
+            }
+            Err(e) => Some(self.failed(e)),
+        }
+    }
+
+    /// A run failed: the wait before the next one (and the call is not [`Pacing::ready`]
+    /// until it has passed).
+    pub fn failed(&mut self, e: &StoreError) -> Duration {
+        let mut wait = self.backoff.next_delay();
+        if timed_out(e) {
+            wait += self.server_limit;
+        }
+        self.not_before = Some(Instant::now() + wait);
+        wait
+    }
+
+    /// Runs `call` if it may start now (else `None`), and records its outcome.
+    pub async fn run<T>(
+        &mut self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Option<Result<T, StoreError>> {
+        if !self.ready() {
+            return None;
+        }
+        let result = call.await;
+        self.record(&result);
+        Some(result)
+    }
+}
+
+/// The calls this process may have running on the server, each with the instant after which
+/// it surely ended there (`None` while its caller still waits for it).
+static IN_FLIGHT: Mutex<Option<HashMap<u64, Option<Instant>>>> = Mutex::new(None);
+static NEXT_CALL: AtomicU64 = AtomicU64::new(0);
+
+fn calls<T>(f: impl FnOnce(&mut HashMap<u64, Option<Instant>>) -> T) -> Option<T> {
+    let mut guard = IN_FLIGHT.lock().ok()?;
+    Some(f(guard.get_or_insert_with(HashMap::new)))
+}
+
+/// One bounded call to MongoDB, counted in [`in_flight`] from its start until it returns, or,
+/// when its future is dropped (its deadline, shutdown), for twice `operation_timeout` from its
+/// start: its last query may have reached the server up to one `operation_timeout` after the
+/// call began, and then runs at most its `maxTimeMS`.
+#[derive(Debug)]
+pub struct CallInFlight {
+    id: u64,
+    started: Instant,
+    outlives: Duration,
+    done: bool,
+}
+
+impl CallInFlight {
+    pub fn start(operation_timeout: Duration) -> Self {
+        let id = NEXT_CALL.fetch_add(1, Ordering::Relaxed);
+        calls(|m| m.insert(id, None));
+        Self {
+            id,
+            started: Instant::now(),
+            outlives: operation_timeout.saturating_mul(2),
+            done: false,
+        }
+    }
+
+    /// The call returned (whatever its outcome): it no longer runs on the server.
+    pub fn finished(mut self) {
+        self.done = true;
+        calls(|m| m.remove(&self.id));
+    }
+}
+
+impl Drop for CallInFlight {
+    fn drop(&mut self) {
+        if !self.done {
+            let until = self.started + self.outlives;
+            calls(|m| m.insert(self.id, Some(until)));
+        }
+    }
+}
+
+/// How many MongoDB calls this process may have running on the server now
+/// (`timeoutd_mongodb_calls_in_flight`).
+pub fn in_flight() -> usize {
+    let now = Instant::now();
+    calls(|m| {
+        m.retain(|_, until| until.is_none_or(|t| t > now));
+        m.len()
+    })
+    .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::deadline::Elapsed;
+
+    #[test]
+    fn a_timed_out_call_waits_a_whole_operation_timeout_more() {
+        let mut p = Pacing::new(Duration::from_secs(5));
+        assert!(p.ready());
+        let elapsed = StoreError::Deadline(Elapsed {
+            what: "x",
+            limit: Duration::from_secs(5),
+        });
+        assert!(timed_out(&elapsed));
+        let wait = p.failed(&elapsed);
+        assert!(wait >= Duration::from_secs(5), "{wait:?}");
+        assert!(!p.ready());
+        p.record(&Ok::<(), StoreError>(()));
+        assert!(p.ready());
+        let other = StoreError::NoServerTime;
+        assert!(!timed_out(&other));
+        assert!(p.failed(&other) < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn an_abandoned_call_stays_counted_until_the_server_ended_it() {
+        let counted = |id: u64| {
+            in_flight();
+            calls(|m| m.contains_key(&id)).unwrap_or(false)
+        };
+        let returned = CallInFlight::start(Duration::from_secs(60));
+        let abandoned = CallInFlight::start(Duration::from_secs(60));
+        let expired = CallInFlight::start(Duration::ZERO);
+        let ids = (returned.id, abandoned.id, expired.id);
+        assert!(counted(ids.0) && counted(ids.1) && counted(ids.2));
+        returned.finished();
+        drop(abandoned);
+        drop(expired);
+        assert!(!counted(ids.0), "a call that returned is no longer counted");
+        assert!(
+            counted(ids.1),
+            "a dropped call counts until its server time has passed"
+        );
+        assert!(!counted(ids.2), "nor after");
+    }
+}
