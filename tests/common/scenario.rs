@@ -164,13 +164,27 @@ pub async fn each_alone_delivers(
         }
         assert!(
             sent,
-            "{} alone sent {} of {n} fresh records once the fault was over; its last log lines: {:#?}",
+            "{} alone sent {} of {n} fresh records once the fault was over; its last notices: {:#?}",
             d.name,
             ids.iter().filter(|id| counter.count_of(id) >= 1).count(),
-            d.logs().iter().rev().take(15).collect::<Vec<_>>()
+            last_notices(d, 15)
         );
         assert!(empty(env, Duration::from_secs(30)).await);
         all.extend(ids);
     }
     all
+}
+
+/// The last `n` lines of `d` at INFO or above, for a failure message (the debug lines of the
+/// background tasks would hide them).
+pub fn last_notices(d: &Daemon, n: usize) -> Vec<String> {
+    let mut last: Vec<String> = d
+        .logs()
+        .into_iter()
+        .rev()
+        .filter(|l| !l.contains(" DEBUG ") && !l.contains(" TRACE "))
+        .take(n)
+        .collect();
+    last.reverse();
+    last
 }
