@@ -1,13 +1,9 @@
 //! Fault injection: several timeoutd instances on one collection, one fault at a time, and a
 //! consumer counting deliveries per record (`TimeoutId` header).
 //!
-//! Every scenario checks the same three rules:
-//! - no record is lost: each one is delivered at least once and the collection ends empty;
-//! - no duplicate where the lease protocol forbids one (exactly once when no lease can run out
-//!   and no instance dies);
-//! - every duplicate a fault forces is counted in `timeoutd_lease_lost_total` (summed over the
-//!   instances, scraped before each one stops) or is explained by a record that a killed
-//!   instance held when it died (one extra delivery each).
+//! Every scenario checks the three rules of [`common::scenario::audit`]: nothing lost, no
+//! duplicate where the lease protocol forbids one (exactly once when no lease can run out and
+//! no instance dies), every forced duplicate counted or held by a killed instance.
 //!
 //! Faults hit one instance through its own proxies ([`Proxy`]); the others talk to the
 //! services directly. Each test prints one `FAULTS` line with its numbers (`--nocapture`).
@@ -19,58 +15,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use common::fleet::{Daemon, DeliveryCounter, http_get, idle_metrics, series, vars};
+use common::fleet::{Daemon, DeliveryCounter, http_get, idle_metrics, series};
 use common::proxy::{Mode, Proxy, host_port};
+use common::scenario::*;
 use common::*;
 use futures::TryStreamExt;
-use timeoutd::config::Config;
 use timeoutd::store::clock::ServerClock;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
-
-const LEASE_LOST: &str = "timeoutd_lease_lost_total";
-
-fn secs(s: u64) -> Duration {
-    Duration::from_secs(s)
-}
-
-/// The test configuration with a given lease and batch size; publishes wait long for their
-/// confirms, so a held-back confirm keeps an instance in the middle of its batch.
-fn fleet_config(env: &TestEnv, lease: Duration, batch_size: u32) -> Config {
-    let mut c = env.config();
-    c.dispatch.lock_lease = lease;
-    c.dispatch.batch_size = batch_size;
-    c.dispatch.lease_safety_margin = Duration::from_millis(500);
-    c.rabbitmq.publish_timeout = secs(30);
-    c
-}
-
-/// Spawns one instance; its RabbitMQ and MongoDB links go through the given proxies.
-async fn spawn(
-    name: &str,
-    env: &TestEnv,
-    config: &Config,
-    amqp: Option<&Proxy>,
-    mongodb: Option<&Proxy>,
-) -> Daemon {
-    let mut c = config.clone();
-    if let Some(p) = amqp {
-        c.rabbitmq.uri = p.rewrite(&amqp_uri());
-    }
-    if let Some(p) = mongodb {
-        // Through the proxy only (the server may advertise its own address); an operation
-        // gives up after 2 s without a server, so a cut shows as errors and retries.
-        c.mongodb.uri = with_query(
-            &with_query(&p.rewrite(&mongo_uri()), "directConnection=true"),
-            "serverSelectionTimeoutMS=2000",
-        );
-    }
-    Daemon::spawn(name, vars(env, &c)).await
-}
-
-async fn amqp_proxy(initial: Mode) -> Proxy {
-    Proxy::start_in(&host_port(&amqp_uri()), initial).await
-}
 
 fn uuid_of(b: Option<&Bson>) -> Option<Uuid> {
     match b? {
@@ -126,70 +78,6 @@ async fn held_by(env: &TestEnv, d: &Daemon) -> BTreeSet<String> {
         .filter(|(_, (o, _))| owners.contains(o))
         .map(|(id, _)| id)
         .collect()
-}
-
-async fn empty(env: &TestEnv, within: Duration) -> bool {
-    eventually(within, || async { env.count(doc! {}).await == 0 }).await
-}
-
-/// Checks the three rules; prints and returns the number of duplicate deliveries.
-/// `killed_held`: records a killed instance held when it died.
-fn audit(
-    scenario: &str,
-    ids: &[Uuid],
-    counter: &DeliveryCounter,
-    lease_lost: f64,
-    killed_held: &BTreeSet<String>,
-) -> usize {
-    let counts = counter.counts();
-    let known: BTreeSet<String> = ids.iter().map(Uuid::to_string).collect();
-    let missing: Vec<&String> = known
-        .iter()
-        .filter(|id| !counts.contains_key(*id))
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "{scenario}: {} of {} records were never delivered, e.g. {:?}",
-        missing.len(),
-        ids.len(),
-        &missing[..missing.len().min(5)]
-    );
-    assert!(
-        counts.keys().all(|id| known.contains(id)),
-        "{scenario}: a delivery of a record the test never inserted"
-    );
-    assert_eq!(
-        counter.without_id(),
-        0,
-        "{scenario}: a delivery without TimeoutId"
-    );
-    let duplicates = counter.duplicates();
-    // A killed instance may have sent each record it held once before dying.
-    let unexplained: usize = counts
-        .iter()
-        .map(|(id, c)| c.saturating_sub(if killed_held.contains(id) { 2 } else { 1 }))
-        .sum();
-    let late = counter.lateness_ms();
-    let p99 = late
-        .get((late.len().saturating_sub(1)) * 99 / 100)
-        .copied()
-        .unwrap_or(0);
-    eprintln!(
-        "FAULTS {scenario}: records={} deliveries={} duplicates={duplicates} lease_lost={lease_lost} killed_held={} duplicates_beyond_kills={unexplained} lateness_p99_ms={p99}",
-        ids.len(),
-        counter.total(),
-        killed_held.len(),
-    );
-    assert!(
-        unexplained as f64 <= lease_lost,
-        "{scenario}: {unexplained} duplicate deliveries are neither counted in {LEASE_LOST} ({lease_lost}) nor explained by a killed instance; duplicated records: {:?}",
-        counts
-            .iter()
-            .filter(|(_, c)| **c > 1)
-            .take(5)
-            .collect::<Vec<_>>()
-    );
-    duplicates
 }
 
 /// Scenario 1: kill -9 of one instance in the middle of a batch, later restarted.

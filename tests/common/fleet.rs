@@ -148,7 +148,8 @@ impl Daemon {
         .await
     }
 
-    fn signal(&self, sig: i32) {
+    /// Sends `sig` to the process (SIGSTOP and SIGCONT freeze and thaw it).
+    pub fn signal(&self, sig: i32) {
         if let Some(pid) = self.child.id() {
             // SAFETY: signalling our own child process.
             unsafe { libc::kill(pid as i32, sig) };

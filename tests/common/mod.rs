@@ -11,6 +11,7 @@ pub mod fleet;
 pub mod hostile;
 pub mod ops;
 pub mod proxy;
+pub mod scenario;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
