@@ -159,8 +159,13 @@ pub enum UuidRepresentation {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RabbitConfig {
+    /// One node's URI, or several ([`crate::nodes`]): a TOML array, or comma-separated.
+    #[serde(
+        deserialize_with = "crate::nodes::deserialize",
+        serialize_with = "crate::nodes::serialize"
+    )]
     pub uri: String,
-    /// A file holding the URI (a mounted secret); replaces `uri` when set.
+    /// A file holding the URI or URIs (a mounted secret); replaces `uri` when set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uri_file: Option<PathBuf>,
     pub source_address: String,
@@ -449,7 +454,9 @@ impl Config {
         })?;
         config.read_uri_files()?;
         crate::redact::remember(&config.mongodb.uri, config.mongodb.uri_file.is_some());
-        crate::redact::remember(&config.rabbitmq.uri, config.rabbitmq.uri_file.is_some());
+        for node in crate::nodes::split(&config.rabbitmq.uri) {
+            crate::redact::remember(&node, config.rabbitmq.uri_file.is_some());
+        }
         config.validate()?;
         Ok(config)
     }
@@ -653,8 +660,8 @@ impl Config {
                 "rabbitmq.tls_cert_file and rabbitmq.tls_key_file go together".into(),
             );
         }
-        if !has_scheme(&self.rabbitmq.uri, &["amqp://", "amqps://"]) {
-            bad("rabbitmq.uri", "must start with amqp:// or amqps://".into());
+        for problem in crate::nodes::problems(&self.rabbitmq.uri) {
+            bad("rabbitmq.uri", problem);
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(
@@ -677,7 +684,7 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.mongodb.uri = redact_uri(&shown.mongodb.uri);
-        shown.rabbitmq.uri = redact_uri(&shown.rabbitmq.uri);
+        shown.rabbitmq.uri = crate::nodes::redact_list(&shown.rabbitmq.uri);
         let mut text = toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# {e}\n"));
         if self.reaper.interval.is_none() {
             text = text.replace(

@@ -16,7 +16,8 @@
 //!   [`shapes`], which `Time` shapes the collection holds;
 //!   [`census`], `stats` and the records nothing fires on its own;
 //! - [`message`], the `TimeoutMessage` wire format;
-//! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
+//! - [`publisher`], RabbitMQ with publisher confirms; [`nodes`], the nodes of a cluster and
+//!   failing over between them; [`ratelimit`], send-rate limits;
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
 //! - [`metrics`], metric names and recording;
@@ -53,6 +54,7 @@ pub mod lease;
 pub mod listing;
 pub mod message;
 pub mod metrics;
+pub mod nodes;
 pub mod ops;
 pub mod opscli;
 pub mod parking;

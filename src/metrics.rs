@@ -31,6 +31,7 @@ pub const PARKED_REASONS: &[&str] = &[
 /// `timeoutd_released_total{reason}`.
 pub const RELEASED_REASONS: &[&str] = &[
     "shutdown",
+    "blocked",
     "margin",
     "publish_failed",
     "supervisor",
@@ -275,6 +276,32 @@ pub const SERIES: &[Series] = &[
         DEPENDENCIES,
         Start::Zero,
     ),
+    series(
+        "timeoutd_rabbitmq_failovers_total",
+        Counter,
+        Some(Unit::Count),
+        "Times the link to the RabbitMQ node in use failed and another node of [rabbitmq] uri answered.",
+    ),
+    labelled(
+        series(
+            "timeoutd_rabbitmq_node",
+            Gauge,
+            None,
+            "The RabbitMQ node in use, by node (host:port): 1 for the node in use, 0 for the others of [rabbitmq] uri.",
+        ),
+        "node",
+        &[],
+        Start::FirstReading,
+    ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_rabbitmq_blocked",
+            Gauge,
+            None,
+            "1 while the broker blocks the connection (connection.blocked: a memory or disk alarm); no claims then.",
+        )
+    },
     labelled(
         series(
             "timeoutd_task_failures_total",
@@ -530,4 +557,22 @@ pub fn paused_backlog(n: u64) {
 /// Claimed records held back from a send, by reason.
 pub fn held_back(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_held_back_total", "reason" => reason).increment(n as u64);
+}
+
+/// The link to the RabbitMQ node in use failed and another node answered.
+pub fn rabbitmq_failover() {
+    metrics::counter!("timeoutd_rabbitmq_failovers_total").increment(1);
+}
+
+/// The node in use: 1 for `node`, 0 for every other node of the list.
+pub fn rabbitmq_node(node: &str, all: &[String]) {
+    for other in all {
+        let value = if other == node { 1.0 } else { 0.0 };
+        metrics::gauge!("timeoutd_rabbitmq_node", "node" => other.clone()).set(value);
+    }
+}
+
+/// Whether the broker blocked the connection (`connection.blocked`: a memory or disk alarm).
+pub fn rabbitmq_blocked(blocked: bool) {
+    metrics::gauge!("timeoutd_rabbitmq_blocked").set(if blocked { 1.0 } else { 0.0 });
 }
