@@ -221,15 +221,16 @@ impl ClusterCounter {
             .contains_key(&id.to_string())
     }
 
-    /// First delivery minus due instant, in ms, sorted.
-    pub fn lateness_ms(&self) -> Vec<i64> {
+    /// First delivery minus due instant, in ms, of the records `ids`, sorted.
+    pub fn lateness_ms(&self, ids: &[Uuid]) -> Vec<i64> {
         let t = self.tally.lock().unwrap();
-        let mut late: Vec<i64> = t
-            .first
+        let mut late: Vec<i64> = ids
             .iter()
-            .filter_map(|(id, at)| {
+            .map(|id| id.to_string())
+            .filter_map(|id| {
+                let at = t.first.get(&id)?;
                 let got = at.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as i64;
-                Some(got - super::due_ms(id)?)
+                Some(got - super::due_ms(&id)?)
             })
             .collect();
         late.sort_unstable();
