@@ -123,6 +123,52 @@ fn check_config_hides_every_credential_inline_and_from_files() {
 }
 
 #[test]
+fn a_list_of_rabbitmq_nodes_from_the_environment_or_a_file_is_shown_per_node_redacted() {
+    let list =
+        format!("amqp://guest:{AMQP_PW}@rabbit-1:5672/%2f,amqps://svc:{AMQP_PW}@rabbit-2/%2f");
+    let out = timeoutd(
+        &["check-config"],
+        &[("TIMEOUTD_RABBITMQ__URI", list.clone())],
+    );
+    let shown = text_of(&out);
+    assert!(out.status.success(), "{shown}");
+    assert_no_secret("check-config with a node list", &shown);
+    for kept in [
+        "amqp://guest:***@rabbit-1:5672/%2f",
+        "amqps://svc:***@rabbit-2/%2f",
+    ] {
+        assert!(shown.contains(kept), "{kept} in {shown}");
+    }
+
+    // One URI a line in a mounted secret.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("amqp-uris");
+    std::fs::write(&file, format!("{}\n", list.replace(',', "\n"))).unwrap();
+    let out = timeoutd(
+        &["check-config"],
+        &[("TIMEOUTD_RABBITMQ__URI_FILE", file.display().to_string())],
+    );
+    let shown = text_of(&out);
+    assert!(out.status.success(), "{shown}");
+    assert_no_secret("check-config with a node list file", &shown);
+    assert!(
+        shown.contains("@rabbit-1:5672") && shown.contains("@rabbit-2/"),
+        "{shown}"
+    );
+
+    // A bad entry is named by its position, its password hidden.
+    let bad = format!("amqp://guest:{AMQP_PW}@rabbit-1/%2f,amqps//guest:{AMQP_PW}@rabbit-2");
+    let out = timeoutd(&["check-config"], &[("TIMEOUTD_RABBITMQ__URI", bad)]);
+    let shown = text_of(&out);
+    assert_eq!(out.status.code(), Some(2), "{shown}");
+    assert!(
+        shown.contains("rabbitmq.uri") && shown.contains("entry 2"),
+        "{shown}"
+    );
+    assert_no_secret("check-config with a bad node", &shown);
+}
+
+#[test]
 fn one_shot_command_errors_and_trace_logs_hide_credentials() {
     let host = mongo_host();
     // The driver refuses tlsCertificateKeyFilePassword (a feature timeoutd does not build),

@@ -4,6 +4,7 @@
 //! Every problem is reported with the dotted name of the key it concerns, so that an operator
 //! can fix a config from the error alone.
 
+pub mod nodes;
 mod sections;
 #[cfg(test)]
 mod tests;
@@ -89,7 +90,9 @@ impl Config {
         })?;
         config.read_uri_files()?;
         crate::redact::remember(&config.mongodb.uri, config.mongodb.uri_file.is_some());
-        crate::redact::remember(&config.rabbitmq.uri, config.rabbitmq.uri_file.is_some());
+        for node in crate::config::nodes::split(&config.rabbitmq.uri) {
+            crate::redact::remember(&node, config.rabbitmq.uri_file.is_some());
+        }
         config.validate()?;
         Ok(config)
     }
@@ -136,7 +139,7 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.mongodb.uri = redact_uri(&shown.mongodb.uri);
-        shown.rabbitmq.uri = redact_uri(&shown.rabbitmq.uri);
+        shown.rabbitmq.uri = crate::config::nodes::redact_list(&shown.rabbitmq.uri);
         let mut text = toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# {e}\n"));
         if self.reaper.interval.is_none() {
             text = text.replace(

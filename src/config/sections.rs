@@ -129,8 +129,13 @@ pub enum UuidRepresentation {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RabbitConfig {
+    /// One node's URI, or several ([`crate::config::nodes`]): a TOML array, or comma-separated.
+    #[serde(
+        deserialize_with = "crate::config::nodes::deserialize",
+        serialize_with = "crate::config::nodes::serialize"
+    )]
     pub uri: String,
-    /// A file holding the URI (a mounted secret); replaces `uri` when set.
+    /// A file holding the URI or URIs (a mounted secret); replaces `uri` when set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uri_file: Option<PathBuf>,
     pub source_address: String,

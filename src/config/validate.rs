@@ -215,8 +215,8 @@ impl Config {
                 "rabbitmq.tls_cert_file and rabbitmq.tls_key_file go together".into(),
             );
         }
-        if !has_scheme(&self.rabbitmq.uri, &["amqp://", "amqps://"]) {
-            bad("rabbitmq.uri", "must start with amqp:// or amqps://".into());
+        for problem in crate::config::nodes::problems(&self.rabbitmq.uri) {
+            bad("rabbitmq.uri", problem);
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(

@@ -32,14 +32,19 @@ pub fn triage(
 }
 
 impl Dispatcher {
-    /// Whether a claim may start once its time comes: the link is up, no claim is running,
+    /// Whether a claim may start once its time comes: the link is up and not blocked by the
+    /// broker, no claim is running,
     /// fewer than two batches are held. A claim may start while a wave publishes: it reads
     /// its candidates at once, but takes them ([`ProofGate`]) only once the broker has
     /// answered one of that wave's publishes, so the database is not idle while the broker
     /// works and an instance whose broker stalled hoards nothing.
     pub(super) fn can_claim(&self) -> bool {
         let cap = 2 * self.config.dispatch.batch_size as usize;
-        self.link_up && !self.claims.is_running() && self.held.len() < cap && !self.rate_saturated()
+        self.link_up
+            && !self.blocked
+            && !self.claims.is_running()
+            && self.held.len() < cap
+            && !self.rate_saturated()
     }
 
     /// What a claim starting now must wait for before it takes its candidates: the first

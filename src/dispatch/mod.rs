@@ -126,6 +126,9 @@ pub struct Dispatcher {
     /// returns are matched to their own wave's messages).
     publisher: Option<Publisher>,
     link_up: bool,
+    /// The broker blocks the open connection ([`crate::dispatch::publisher::LinkWatch`]).
+    watch: crate::dispatch::publisher::LinkWatch,
+    blocked: bool,
     frame_max: u32,
     next_connect: Instant,
     link_backoff: Backoff,
@@ -172,6 +175,8 @@ impl Dispatcher {
             shutdown,
             wake,
             frame_max: publisher.frame_max(),
+            watch: publisher.watch(),
+            blocked: false,
             publisher: Some(publisher),
             link_up: false,
             next_connect: Instant::now(),
@@ -382,6 +387,7 @@ impl Dispatcher {
         if stopping && !self.held.is_empty() {
             self.on_shutdown();
         }
+        self.check_blocked();
         if !stopping {
             self.apply_control();
         }

@@ -1,4 +1,5 @@
-//! The publisher: one RabbitMQ connection with a publisher-confirm channel.
+//! The publisher: one RabbitMQ connection with a publisher-confirm channel, to one node of
+//! `[rabbitmq] uri` at a time ([`crate::config::nodes`]: a failed link fails over to the next node).
 //!
 //! A batch is published pipelined (every `basic.publish` goes out before any confirm is
 //! awaited), then the confirms are awaited together. Each message gets its own
@@ -6,14 +7,17 @@
 
 use futures::future::join_all;
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus};
 
 use crate::config::RabbitConfig;
+use crate::metrics as m;
+use crate::config::nodes::Nodes;
 use tokio_util::sync::CancellationToken;
 
 use crate::record::message::OutgoingMessage;
@@ -25,6 +29,8 @@ pub enum PublishError {
     Amqp(#[from] lapin::Error),
     #[error("RabbitMQ: {0}")]
     Deadline(#[from] crate::deadline::Elapsed),
+    #[error("no RabbitMQ node answered ({nodes}); the last said: {last}")]
+    NoNode { nodes: String, last: String },
     #[error("cannot read TLS file {path}: {source}")]
     TlsFile {
         path: std::path::PathBuf,
@@ -110,10 +116,31 @@ fn settle(
         .collect()
 }
 
+/// The state of the open link as the broker last set it, readable while a wave owns the
+/// publisher: whether the broker blocked the connection (`connection.blocked`, a memory or
+/// disk alarm) and has not unblocked it yet.
+#[derive(Debug, Clone, Default)]
+pub struct LinkWatch(Arc<Mutex<Option<ConnectionStatus>>>);
+
+impl LinkWatch {
+    /// Whether the open connection is blocked by the broker.
+    pub fn blocked(&self) -> bool {
+        let status = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        status
+            .as_ref()
+            .is_some_and(|s| s.connected() && s.blocked())
+    }
+
+    fn set(&self, status: Option<ConnectionStatus>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = status;
+    }
+}
+
 /// A RabbitMQ publisher that reconnects on demand.
 #[derive(Debug)]
 pub struct Publisher {
-    uri: String,
+    nodes: Nodes,
+    watch: LinkWatch,
     name: String,
     tls: OwnedTLSConfig,
     link: Option<(Connection, Channel)>,
@@ -142,7 +169,8 @@ impl Publisher {
             _ => None,
         };
         Ok(Self {
-            uri: config.uri.clone(),
+            nodes: Nodes::random_start(&config.uri),
+            watch: LinkWatch::default(),
             name: config.source_address.clone(),
             tls: OwnedTLSConfig {
                 identity,
@@ -171,27 +199,90 @@ impl Publisher {
             .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected())
     }
 
-    /// Opens the connection and a confirm-mode channel unless already open, within
+    /// What the dispatch loop reads to learn whether the broker blocked the connection.
+    pub fn watch(&self) -> LinkWatch {
+        self.watch.clone()
+    }
+
+    /// The node in use (`host:port`), or the one tried first.
+    pub fn node(&self) -> String {
+        self.nodes.current_label()
+    }
+
+    /// Opens the connection and a confirm-mode channel unless already open: to the node in
+    /// use, or when its link failed to the next node that answers, each within
     /// `[rabbitmq] connect_timeout`.
     pub async fn connect(&mut self) -> Result<(), PublishError> {
         if self.is_connected() {
             return Ok(());
         }
-        self.link = None;
+        if self.link.take().is_some() {
+            self.nodes.link_failed();
+        }
+        self.watch.set(None);
+        let mut last = None;
+        let order: Vec<(usize, String)> = self
+            .nodes
+            .order()
+            .into_iter()
+            .map(|(i, u)| (i, u.to_string()))
+            .collect();
+        for (index, uri) in order {
+            match self.open(&uri).await {
+                Ok(link) => {
+                    self.watch.set(Some(link.0.status().clone()));
+                    self.link = Some(link);
+                    let failover = self.nodes.connected(index);
+                    if let Some(f) = &failover {
+                        tracing::warn!(from = %f.from, to = %f.to, nodes = %crate::config::nodes::redact_list(&self.nodes_uri()), "RabbitMQ failover: the link to the node in use failed; another node answered");
+                        m::rabbitmq_failover();
+                    }
+                    m::rabbitmq_node(&self.node(), &self.all_labels());
+                    return Ok(());
+                }
+                Err(e) => {
+                    if self.nodes.len() > 1 {
+                        tracing::warn!(node = %crate::config::nodes::label(&uri), error = %e, "RabbitMQ node did not answer; trying the next");
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        match last {
+            Some(e) if self.nodes.len() == 1 => Err(e),
+            last => Err(PublishError::NoNode {
+                nodes: crate::config::nodes::redact_list(&self.nodes_uri()),
+                last: last.map_or_else(|| "no node is configured".into(), |e| e.to_string()),
+            }),
+        }
+    }
+
+    fn nodes_uri(&self) -> String {
+        self.nodes.uris().join(",")
+    }
+
+    fn all_labels(&self) -> Vec<String> {
+        self.nodes
+            .uris()
+            .iter()
+            .map(|u| crate::config::nodes::label(u))
+            .collect()
+    }
+
+    /// One node: the connection and a confirm-mode channel, within `connect_timeout`.
+    async fn open(&self, uri: &str) -> Result<(Connection, Channel), PublishError> {
         let props = ConnectionProperties::default().with_connection_name(self.name.clone().into());
-        let (uri, tls) = (self.uri.clone(), self.tls.clone());
-        let link = crate::deadline::within(self.connect_timeout, "connecting to RabbitMQ", async {
+        let tls = self.tls.clone();
+        crate::deadline::within(self.connect_timeout, "connecting to RabbitMQ", async {
             let runtime = lapin::runtime::default_runtime()?;
-            let conn = Connection::connect_with_config(&uri, props, tls, runtime).await?;
+            let conn = Connection::connect_with_config(uri, props, tls, runtime).await?;
             let channel = conn.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await?;
             Ok::<_, PublishError>((conn, channel))
         })
-        .await?;
-        self.link = Some(link);
-        Ok(())
+        .await
     }
 
     /// Closes the connection politely (at shutdown), within `[rabbitmq] connect_timeout`.
@@ -281,11 +372,19 @@ impl Publisher {
             .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
             .collect();
         let outcomes = settle(&ids, confirms);
-        // A link that lost or withheld a confirm is suspect: the next batch opens a new one.
-        let suspect = broken.is_some()
-            || !self.is_connected()
-            || outcomes.iter().any(SendOutcome::outcome_unknown);
+        // A link that lost or withheld a confirm is suspect: the next batch opens a new one,
+        // to the next node. Not one the broker blocks (a memory or disk alarm, which a new
+        // link would soon share): it is kept, so that the dispatch loop sees the block until
+        // `connection.unblocked`, claiming nothing meanwhile.
+        let blocked = self.watch.blocked();
+        let suspect = !self.is_connected()
+            || (!blocked
+                && (broken.is_some() || outcomes.iter().any(SendOutcome::outcome_unknown)));
         if suspect && let Some((conn, _)) = self.link.take() {
+            // The next connect starts at the next node: one that withholds confirms (a quorum
+            // queue without its majority) must not get the next wave.
+            self.nodes.link_failed();
+            self.watch.set(None);
             tokio::spawn(async move {
                 let close = conn.close(320, "timeoutd: link lost or withheld confirms".into());
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(5), close).await;

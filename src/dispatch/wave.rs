@@ -80,6 +80,32 @@ impl Dispatcher {
         }
     }
 
+    /// Follows `connection.blocked` and `connection.unblocked`: while blocked nothing is
+    /// claimed, what is held is released (it cannot be sent), and `/readyz` is 503.
+    pub(super) fn check_blocked(&mut self) {
+        let blocked = self.watch.blocked();
+        if blocked != self.blocked {
+            self.blocked = blocked;
+            self.health.set_blocked(blocked);
+            m::rabbitmq_blocked(blocked);
+            if blocked {
+                tracing::warn!(
+                    "RabbitMQ blocked the connection (memory or disk alarm): not claiming until it unblocks"
+                );
+            } else {
+                tracing::info!("RabbitMQ unblocked the connection; claiming again");
+            }
+        }
+        if self.blocked && !self.held.is_empty() {
+            let held = self.held.take_all();
+            tracing::info!(
+                records = held.len(),
+                "releasing claimed records: RabbitMQ blocks the connection"
+            );
+            self.release_records(held, "blocked");
+        }
+    }
+
     pub(super) fn start_connect(&mut self) {
         let Some(mut publisher) = self.publisher.take() else {
             return;

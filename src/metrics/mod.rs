@@ -33,6 +33,7 @@ pub const PARKED_REASONS: &[&str] = &[
 /// `timeoutd_released_total{reason}`.
 pub const RELEASED_REASONS: &[&str] = &[
     "shutdown",
+    "blocked",
     "margin",
     "publish_failed",
     "supervisor",
@@ -286,6 +287,32 @@ pub const SERIES: &[Series] = &[
         DEPENDENCIES,
         Start::Zero,
     ),
+    series(
+        "timeoutd_rabbitmq_failovers_total",
+        Counter,
+        Some(Unit::Count),
+        "Times the link to the RabbitMQ node in use failed and another node of [rabbitmq] uri answered.",
+    ),
+    labelled(
+        series(
+            "timeoutd_rabbitmq_node",
+            Gauge,
+            None,
+            "The RabbitMQ node in use, by node (host:port): 1 for the node in use, 0 for the others of [rabbitmq] uri.",
+        ),
+        "node",
+        &[],
+        Start::FirstReading,
+    ),
+    Series {
+        start: Start::Zero,
+        ..series(
+            "timeoutd_rabbitmq_blocked",
+            Gauge,
+            None,
+            "1 while the broker blocks the connection (connection.blocked: a memory or disk alarm); no claims then.",
+        )
+    },
     labelled(
         series(
             "timeoutd_task_failures_total",

@@ -131,6 +131,24 @@ pub fn indexes_missing(n: usize) {
     metrics::gauge!("timeoutd_indexes_missing").set(n as f64);
 }
 
+/// The link to the RabbitMQ node in use failed and another node answered.
+pub fn rabbitmq_failover() {
+    metrics::counter!("timeoutd_rabbitmq_failovers_total").increment(1);
+}
+
+/// The node in use: 1 for `node`, 0 for every other node of the list.
+pub fn rabbitmq_node(node: &str, all: &[String]) {
+    for other in all {
+        let value = if other == node { 1.0 } else { 0.0 };
+        metrics::gauge!("timeoutd_rabbitmq_node", "node" => other.clone()).set(value);
+    }
+}
+
+/// Whether the broker blocked the connection (`connection.blocked`: a memory or disk alarm).
+pub fn rabbitmq_blocked(blocked: bool) {
+    metrics::gauge!("timeoutd_rabbitmq_blocked").set(if blocked { 1.0 } else { 0.0 });
+}
+
 /// Whether the daemon runs all its essential tasks.
 pub fn up(up: bool) {
     metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });

@@ -22,6 +22,8 @@ pub struct Health {
     last_poll_ms: AtomicI64,
     mongodb_up: AtomicBool,
     rabbitmq_up: AtomicBool,
+    /// The broker blocked the connection (`connection.blocked`) and has not unblocked it.
+    rabbitmq_blocked: AtomicBool,
     draining: AtomicBool,
     /// The essential task that ended or panicked, once one has.
     failed: std::sync::Mutex<Option<&'static str>>,
@@ -43,6 +45,7 @@ impl Health {
             last_poll_ms: AtomicI64::new(-1),
             mongodb_up: AtomicBool::new(false),
             rabbitmq_up: AtomicBool::new(false),
+            rabbitmq_blocked: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             failed: std::sync::Mutex::new(None),
             // The default lease_safety_margin (2 s) and twice the default operation_timeout.
@@ -103,6 +106,12 @@ impl Health {
         m::dependency_up(dependency, up);
     }
 
+    /// Whether the broker blocks the connection (a memory or disk alarm): not ready then, as
+    /// nothing can be sent.
+    pub fn set_blocked(&self, blocked: bool) {
+        self.rabbitmq_blocked.store(blocked, Ordering::Relaxed);
+    }
+
     /// Shutdown has begun.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
@@ -136,6 +145,9 @@ impl Health {
         if !self.rabbitmq_up.load(Ordering::Relaxed) {
             problems.push("rabbitmq unreachable");
         }
+        if self.rabbitmq_blocked.load(Ordering::Relaxed) {
+            problems.push("rabbitmq blocked the connection (memory or disk alarm)");
+        }
         if self.draining.load(Ordering::Relaxed) {
             problems.push("draining");
         } else if self.progress.stalled() {
@@ -161,6 +173,13 @@ mod tests {
         );
         h.set_up(m::MONGODB, true);
         h.set_up(m::RABBITMQ, true);
+        assert!(h.readiness().ready);
+        h.set_blocked(true);
+        assert_eq!(
+            h.readiness().problems,
+            ["rabbitmq blocked the connection (memory or disk alarm)"]
+        );
+        h.set_blocked(false);
         assert!(h.readiness().ready);
         h.start_draining();
         assert_eq!(h.readiness().problems, ["draining"]);

@@ -6,6 +6,7 @@
 //! its own database and its own queue names, so tests run in parallel.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod csharp;
 pub mod fleet;
 pub mod hostile;
