@@ -1,9 +1,14 @@
 //! Deadlines. Every call to MongoDB or RabbitMQ, connects and closes included, is bounded: a
 //! server that stops answering turns into an error the caller handles, never into a wait that
-//! holds up the dispatch loop, the reaper or shutdown.
+//! holds up the dispatch loop, the reaper or shutdown. [`in_flight`] counts the MongoDB calls
+//! that may still run on the server (`timeoutd_mongodb_calls_in_flight`): a call abandoned at
+//! its deadline counts until the server's own deadline (`maxTimeMS`) has surely ended it.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// A call that did not finish within its deadline.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -23,6 +28,67 @@ pub async fn within<T, E: From<Elapsed>>(
         Ok(result) => result,
         Err(_) => Err(Elapsed { what, limit }.into()),
     }
+}
+
+/// The calls this process may have running on the server, each with the instant after which
+/// it surely ended there (`None` while its caller still waits for it).
+static IN_FLIGHT: Mutex<Option<HashMap<u64, Option<Instant>>>> = Mutex::new(None);
+static NEXT_CALL: AtomicU64 = AtomicU64::new(0);
+
+fn calls<T>(f: impl FnOnce(&mut HashMap<u64, Option<Instant>>) -> T) -> Option<T> {
+    let mut guard = IN_FLIGHT.lock().ok()?;
+    Some(f(guard.get_or_insert_with(HashMap::new)))
+}
+
+/// One bounded call to MongoDB, counted in [`in_flight`] from its start until it returns, or,
+/// when its future is dropped (its deadline, shutdown), for twice `operation_timeout` from its
+/// start: its last query may have reached the server up to one `operation_timeout` after the
+/// call began, and then runs at most its `maxTimeMS`.
+#[derive(Debug)]
+pub struct CallInFlight {
+    id: u64,
+    started: Instant,
+    outlives: Duration,
+    done: bool,
+}
+
+impl CallInFlight {
+    pub fn start(operation_timeout: Duration) -> Self {
+        let id = NEXT_CALL.fetch_add(1, Ordering::Relaxed);
+        calls(|m| m.insert(id, None));
+        Self {
+            id,
+            started: Instant::now(),
+            outlives: operation_timeout.saturating_mul(2),
+            done: false,
+        }
+    }
+
+    /// The call returned (whatever its outcome): it no longer runs on the server.
+    pub fn finished(mut self) {
+        self.done = true;
+        calls(|m| m.remove(&self.id));
+    }
+}
+
+impl Drop for CallInFlight {
+    fn drop(&mut self) {
+        if !self.done {
+            let until = self.started + self.outlives;
+            calls(|m| m.insert(self.id, Some(until)));
+        }
+    }
+}
+
+/// How many MongoDB calls this process may have running on the server now
+/// (`timeoutd_mongodb_calls_in_flight`).
+pub fn in_flight() -> usize {
+    let now = Instant::now();
+    calls(|m| {
+        m.retain(|_, until| until.is_none_or(|t| t > now));
+        m.len()
+    })
+    .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -48,5 +114,27 @@ mod tests {
         })
         .await;
         assert_eq!(quick.unwrap(), 7);
+    }
+
+    #[test]
+    fn an_abandoned_call_stays_counted_until_the_server_ended_it() {
+        let counted = |id: u64| {
+            in_flight();
+            calls(|m| m.contains_key(&id)).unwrap_or(false)
+        };
+        let returned = CallInFlight::start(Duration::from_secs(60));
+        let abandoned = CallInFlight::start(Duration::from_secs(60));
+        let expired = CallInFlight::start(Duration::ZERO);
+        let ids = (returned.id, abandoned.id, expired.id);
+        assert!(counted(ids.0) && counted(ids.1) && counted(ids.2));
+        returned.finished();
+        drop(abandoned);
+        drop(expired);
+        assert!(!counted(ids.0), "a call that returned is no longer counted");
+        assert!(
+            counted(ids.1),
+            "a dropped call counts until its server time has passed"
+        );
+        assert!(!counted(ids.2), "nor after");
     }
 }

@@ -204,7 +204,14 @@ async fn records_with_an_odd_locked_are_counted_named_and_left_alone() {
     config.reaper.interval = Some(Duration::from_millis(200));
     let store = store_with(&config).await;
     assert_eq!(store.stats().await.unwrap().odd_locked, 3);
-    assert_eq!(store.census(&timeoutd::maintenance::census::CensusState::default()).await.unwrap().odd_locked, 3);
+    assert_eq!(
+        store
+            .census(&timeoutd::maintenance::census::CensusState::default())
+            .await
+            .unwrap()
+            .odd_locked,
+        3
+    );
 
     let mut consumer = env.consumer().await;
     let daemon = Daemon::spawn("a", vars(&env, &config)).await;

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::store::backlog::MonitorShapes;
 use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::dispatch::Dispatcher;
@@ -18,6 +17,7 @@ use crate::metrics as m;
 use crate::operator::control::ControlState;
 use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
+use crate::store::backlog::MonitorShapes;
 use crate::store::clock::ServerClock;
 use crate::store::serverload::Pacing;
 use crate::store::{Store, StoreError};

@@ -234,7 +234,7 @@ impl Dispatcher {
         if let Some(mut publisher) = self.publisher.take() {
             publisher.close().await;
         }
-        crate::store::shutdown_stall().await;
+        crate::service::shutdown::stall().await;
         tracing::info!("dispatch loop stopped");
         match self.failed {
             Some(what) => Err(DispatchError::Panicked(what)),

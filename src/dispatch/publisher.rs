@@ -16,8 +16,8 @@ use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus};
 
 use crate::config::RabbitConfig;
-use crate::metrics as m;
 use crate::config::nodes::Nodes;
+use crate::metrics as m;
 use tokio_util::sync::CancellationToken;
 
 use crate::record::message::OutgoingMessage;

@@ -268,13 +268,13 @@ mod tests {
 
     use super::super::held::Ready;
     use super::*;
-    use crate::store::clock::ServerClock;
     use crate::config::Config;
-    use crate::service::health::Health;
-    use crate::store::lease::Lease;
     use crate::dispatch::publisher::Publisher;
     use crate::record::TimeoutRecord;
+    use crate::service::health::Health;
     use crate::store::Store;
+    use crate::store::clock::ServerClock;
+    use crate::store::lease::Lease;
 
     /// The real broker (as the integration tests find it), with the client asking for a
     /// `frame_max` of 8192: the connection negotiates that, RabbitMQ's default being larger.

@@ -9,8 +9,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::operator::control::ControlState;
 use crate::store::Store;
-use crate::store::serverload::Pacing;
 use crate::store::StoreError;
+use crate::store::serverload::Pacing;
 
 /// How long to wait before opening the control collection's change stream again.
 const REOPEN_STREAM: Duration = Duration::from_secs(30);

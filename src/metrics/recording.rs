@@ -121,7 +121,7 @@ pub fn census(unschedulable: u64, stuck_locks: u64, odd_locked: u64) {
     metrics::gauge!("timeoutd_odd_locked_records").set(odd_locked as f64);
 }
 
-/// `timeoutd_mongodb_calls_in_flight` (see [`crate::store::serverload::in_flight`]).
+/// `timeoutd_mongodb_calls_in_flight` (see [`crate::deadline::in_flight`]).
 pub fn calls_in_flight(n: usize) {
     metrics::gauge!("timeoutd_mongodb_calls_in_flight").set(n as f64);
 }

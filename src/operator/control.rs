@@ -337,7 +337,10 @@ impl Store {
         let mut out = Vec::new();
         for p in self.pauses().await? {
             let mine = doc! { crate::record::field::DESTINATION: &p.destination };
-            let due = crate::store::lease::all_of([crate::store::lease::due_by(now, &shapes), mine.clone()]);
+            let due = crate::store::lease::all_of([
+                crate::store::lease::due_by(now, &shapes),
+                mine.clone(),
+            ]);
             let limit = self.server_limit();
             let due = self
                 .query(self.coll.count_documents(due).max_time(limit))

@@ -72,7 +72,7 @@ fn router(state: AppState) -> Router {
 async fn metrics(State(s): State<AppState>) -> Response {
     crate::metrics::ready(s.health.readiness().ready);
     crate::metrics::due_unclaimed(s.health.progress().unclaimed_for());
-    crate::metrics::calls_in_flight(crate::store::serverload::in_flight());
+    crate::metrics::calls_in_flight(crate::deadline::in_flight());
     s.prometheus.run_upkeep();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -120,5 +120,5 @@ pub async fn serve(
     if let Err(e) = result {
         tracing::warn!(error = %e, "HTTP server stopped");
     }
-    crate::store::shutdown_stall().await;
+    crate::service::shutdown::stall().await;
 }

@@ -4,8 +4,8 @@
 //! the subsystems above report into it.
 
 pub mod health;
-pub mod progress;
 pub mod http;
+pub mod progress;
 pub mod shutdown;
 pub mod supervisor;
 pub mod systemd;

@@ -15,3 +15,14 @@ pub async fn on_signal(token: CancellationToken) -> std::io::Result<&'static str
     token.cancel();
     Ok(name)
 }
+
+/// Tests only (`shutdown-stall=return(MS)`): a step of the shutdown that takes MS (a client
+/// close, a task's end), to show that all of them share one deadline.
+pub async fn stall() {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(ms)) = fail::eval("shutdown-stall", |arg| {
+        arg.and_then(|a| a.parse::<u64>().ok())
+    }) {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+}

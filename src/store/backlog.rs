@@ -19,8 +19,8 @@ use bson::{Bson, DateTime, Document, doc};
 
 use crate::config::TimeEncoding;
 use crate::record::due::Shape;
-use crate::store::lease;
 use crate::record::{TimeoutRecord, field};
+use crate::store::lease;
 use crate::store::shapes::{FULL_REFRESH, probe_finds_new, read_shapes};
 use crate::store::{Store, StoreError};
 

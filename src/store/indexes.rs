@@ -18,12 +18,11 @@ use mongodb::IndexModel;
 use mongodb::options::IndexOptions;
 use tokio_util::sync::CancellationToken;
 
-use crate::record::due::Shape;
 use crate::metrics as m;
+use crate::record::due::Shape;
 use crate::record::field;
 use crate::store::serverload::{Pacing, timed_out};
 use crate::store::{Store, StoreError};
-
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.
 /// `timeoutd_due` (`{"Time.0": 1}`, before offsets were served) is no longer used: drop it.

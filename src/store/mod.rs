@@ -179,7 +179,7 @@ impl Store {
     pub async fn close(&self, within: Duration) -> bool {
         let client = self.db.client().clone();
         let closing = async {
-            shutdown_stall().await;
+            crate::service::shutdown::stall().await;
             client.clone().shutdown().await
         };
         if tokio::time::timeout(within, closing).await.is_ok() {
@@ -209,7 +209,7 @@ impl Store {
         what: &'static str,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let counted = crate::store::serverload::CallInFlight::start(self.op_timeout);
+        let counted = crate::deadline::CallInFlight::start(self.op_timeout);
         let result = crate::deadline::within(self.op_timeout, what, call).await;
         // Past its deadline it may still run on the server: counted on (see CallInFlight).
         if !matches!(result, Err(StoreError::Deadline(_))) {
@@ -432,17 +432,6 @@ impl Store {
     /// Learns the `Time` shapes from the collection now, and keeps them.
     pub async fn learn_shapes(&self) -> Result<Vec<Shape>, StoreError> {
         self.shapes.learn(self).await
-    }
-}
-
-/// Tests only (`shutdown-stall=return(MS)`): a step of the shutdown that takes MS (a client
-/// close, a task's end), to show that all of them share one deadline.
-pub async fn shutdown_stall() {
-    #[cfg(feature = "failpoints")]
-    if let Some(Some(ms)) = fail::eval("shutdown-stall", |arg| {
-        arg.and_then(|a| a.parse::<u64>().ok())
-    }) {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
     }
 }
 

@@ -10,16 +10,13 @@
 //!   server until its own `maxTimeMS` ends it. Every loop that calls MongoDB (the claim, the
 //!   reaper, the census, the monitor, the control watcher, the insert watcher) goes through
 //!   one [`Pacing`] per call, so no call runs while its previous run may still run.
-//! - [`in_flight`] counts the calls timeoutd may have running on the server
+//! - [`crate::deadline::in_flight`] counts the calls timeoutd may have running on the server
 //!   (`timeoutd_mongodb_calls_in_flight`): each [`crate::store::Store::bounded`] call from
 //!   its start until it returns, or, for one whose future was dropped (its deadline,
 //!   shutdown), until the server's `maxTimeMS` has surely ended it.
 //!
 //! [`Store::server_limit`]: crate::store::Store::server_limit
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use mongodb::error::ErrorKind;
@@ -116,67 +113,6 @@ impl Pacing {
     }
 }
 
-/// The calls this process may have running on the server, each with the instant after which
-/// it surely ended there (`None` while its caller still waits for it).
-static IN_FLIGHT: Mutex<Option<HashMap<u64, Option<Instant>>>> = Mutex::new(None);
-static NEXT_CALL: AtomicU64 = AtomicU64::new(0);
-
-fn calls<T>(f: impl FnOnce(&mut HashMap<u64, Option<Instant>>) -> T) -> Option<T> {
-    let mut guard = IN_FLIGHT.lock().ok()?;
-    Some(f(guard.get_or_insert_with(HashMap::new)))
-}
-
-/// One bounded call to MongoDB, counted in [`in_flight`] from its start until it returns, or,
-/// when its future is dropped (its deadline, shutdown), for twice `operation_timeout` from its
-/// start: its last query may have reached the server up to one `operation_timeout` after the
-/// call began, and then runs at most its `maxTimeMS`.
-#[derive(Debug)]
-pub struct CallInFlight {
-    id: u64,
-    started: Instant,
-    outlives: Duration,
-    done: bool,
-}
-
-impl CallInFlight {
-    pub fn start(operation_timeout: Duration) -> Self {
-        let id = NEXT_CALL.fetch_add(1, Ordering::Relaxed);
-        calls(|m| m.insert(id, None));
-        Self {
-            id,
-            started: Instant::now(),
-            outlives: operation_timeout.saturating_mul(2),
-            done: false,
-        }
-    }
-
-    /// The call returned (whatever its outcome): it no longer runs on the server.
-    pub fn finished(mut self) {
-        self.done = true;
-        calls(|m| m.remove(&self.id));
-    }
-}
-
-impl Drop for CallInFlight {
-    fn drop(&mut self) {
-        if !self.done {
-            let until = self.started + self.outlives;
-            calls(|m| m.insert(self.id, Some(until)));
-        }
-    }
-}
-
-/// How many MongoDB calls this process may have running on the server now
-/// (`timeoutd_mongodb_calls_in_flight`).
-pub fn in_flight() -> usize {
-    let now = Instant::now();
-    calls(|m| {
-        m.retain(|_, until| until.is_none_or(|t| t > now));
-        m.len()
-    })
-    .unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,27 +135,5 @@ mod tests {
         let other = StoreError::NoServerTime;
         assert!(!timed_out(&other));
         assert!(p.failed(&other) < Duration::from_secs(5));
-    }
-
-    #[test]
-    fn an_abandoned_call_stays_counted_until_the_server_ended_it() {
-        let counted = |id: u64| {
-            in_flight();
-            calls(|m| m.contains_key(&id)).unwrap_or(false)
-        };
-        let returned = CallInFlight::start(Duration::from_secs(60));
-        let abandoned = CallInFlight::start(Duration::from_secs(60));
-        let expired = CallInFlight::start(Duration::ZERO);
-        let ids = (returned.id, abandoned.id, expired.id);
-        assert!(counted(ids.0) && counted(ids.1) && counted(ids.2));
-        returned.finished();
-        drop(abandoned);
-        drop(expired);
-        assert!(!counted(ids.0), "a call that returned is no longer counted");
-        assert!(
-            counted(ids.1),
-            "a dropped call counts until its server time has passed"
-        );
-        assert!(!counted(ids.2), "nor after");
     }
 }
