@@ -28,13 +28,16 @@
 //! - [`listing`], `list`; [`ops`], `cancel` and `reschedule`; [`control`], pauses, ramps and
 //!   the audit of operator actions, and [`controlwatch`], the task that obeys them;
 //!   [`opscli`] and [`controlcli`], those commands on the
-//!   command line;
-//! - [`cli`], the command line.
+//!   command line; [`parkedcli`], `parked`; [`checkcli`], `check-config`;
+//! - [`cli`], the command line; [`clienv`], what it takes from the environment, its
+//!   logging, `health` and `man`.
 
 pub mod backoff;
 pub mod census;
+pub mod checkcli;
 pub mod claim;
 pub mod cli;
+pub mod clienv;
 pub mod clock;
 pub mod config;
 pub mod control;
@@ -55,6 +58,7 @@ pub mod message;
 pub mod metrics;
 pub mod ops;
 pub mod opscli;
+pub mod parkedcli;
 pub mod parking;
 pub mod publisher;
 pub mod ratelimit;
