@@ -5,7 +5,7 @@
 //! every node down and back, the queue's leader stopped, and a memory alarm
 //! (`connection.blocked`). Each asserts that every record is delivered and that duplicates
 //! are no more than timeoutd counted (`timeoutd_lease_lost_total`). Lateness is printed for
-//! the README's fault table (no timing is asserted).
+//! the fault table in docs/guarantees.md (no timing is asserted).
 
 mod common;
 

@@ -1,8 +1,9 @@
 //! The Grafana dashboard config/grafana/timeoutd.json: valid against Grafana's published
 //! schema (scripts/validate-grafana-dashboard.mjs with @grafana/schema, installed by
 //! scripts/install-grafana-validator.sh), and it shows what the issue lists for every
-//! instance without a query to write: each query filtered by the instance variable, each
-//! metric one timeoutd exports, panels that do not overlap.
+//! instance without a query to write: each query filtered by the job, namespace and instance
+//! variables (so that two fleets under one Prometheus are shown apart), each metric one
+//! timeoutd exports, panels that do not overlap.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -129,16 +130,36 @@ fn the_dashboard_validates_against_grafanas_schema() {
 }
 
 #[test]
-fn every_query_follows_the_instance_variable_and_the_data_source() {
+fn every_query_follows_the_fleet_and_instance_variables_and_the_data_source() {
     let d = dashboard();
     let vars = d["templating"]["list"].as_array().expect("variables");
-    let instance = vars
-        .iter()
-        .find(|v| v["name"] == "instance")
-        .expect("an instance variable");
-    assert_eq!(instance["type"], "query");
-    assert_eq!(instance["multi"], true);
-    assert_eq!(instance["includeAll"], true);
+    for name in ["job", "namespace", "instance"] {
+        let var = vars
+            .iter()
+            .find(|v| v["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} variable"));
+        assert_eq!(var["type"], "query", "{name}");
+        assert_eq!(var["multi"], true, "{name}");
+        assert_eq!(var["includeAll"], true, "{name}");
+        // All matches a series without the label too (systemd hosts have no namespace).
+        assert_eq!(var["allValue"], ".*", "{name}");
+        assert!(
+            var["query"]["query"]
+                .as_str()
+                .is_some_and(|q| q.starts_with("label_values(timeoutd_build_info")),
+            "{name}: {}",
+            var["query"]
+        );
+    }
+    // Each variable offers the values of the fleets the ones before it select.
+    let query = |name: &str| {
+        vars.iter().find(|v| v["name"] == name).expect("variable")["query"]["query"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(query("namespace").contains("job=~\"$job\""));
+    assert!(query("instance").contains("job=~\"$job\", namespace=~\"$namespace\""));
     assert!(
         vars.iter()
             .any(|v| v["name"] == "datasource" && v["type"] == "datasource")
@@ -150,10 +171,13 @@ fn every_query_follows_the_instance_variable_and_the_data_source() {
         }
     }
     for (title, expr) in queries(&d) {
-        assert!(
-            expr.contains("instance=~\"$instance\""),
-            "{title}: {expr} ignores the instance variable"
-        );
+        for var in ["job", "namespace", "instance"] {
+            let matcher = format!("{var}=~\"${var}\"");
+            assert!(
+                expr.matches("timeoutd_").count() == expr.matches(&matcher).count(),
+                "{title}: {expr}: a series without {matcher}"
+            );
+        }
     }
 }
 

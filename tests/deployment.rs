@@ -170,6 +170,7 @@ fn validate_kubernetes(paths: &[&Path]) -> (bool, String) {
 }
 
 const MANIFESTS: &[&str] = &[
+    "cli-job.example.yaml",
     "configmap.yaml",
     "deployment.yaml",
     "kustomization.yaml",

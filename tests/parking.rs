@@ -337,9 +337,9 @@ async fn parked_list_requeue_and_drop() {
     assert!(parked_doc(&env, ids[1]).await.is_none());
     assert!(env.find(ids[1]).await.is_none());
 
-    // Unknown ids are an error, not a silent success.
+    // Unknown ids are bad input (exit 2), not a silent success.
     let unknown = cli(&["parked", "drop", &Uuid::new_v4().to_string()], &vars);
-    assert_eq!(unknown.status.code(), Some(1));
+    assert_eq!(unknown.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&unknown.stderr).contains("no parked record"));
     let neither = cli(&["parked", "requeue"], &vars);
     assert_eq!(neither.status.code(), Some(2), "an id or --all is required");

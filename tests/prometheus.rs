@@ -159,6 +159,8 @@ fn dashboard_exprs() -> Vec<(String, String)> {
                     .as_str()
                     .unwrap_or_default()
                     .replace("$instance", ".*")
+                    .replace("$namespace", ".*")
+                    .replace("$job", ".*")
                     .replace("$__rate_interval", "30s");
                 (title.clone(), expr)
             })

@@ -14,7 +14,7 @@ use common::proxy::{Mode, Proxy, host_port};
 use common::*;
 use uuid::Uuid;
 
-/// `shutdown_timeout` + `SHUTDOWN_GRACE` (the README's bound) plus a margin for the process
+/// `shutdown_timeout` + `SHUTDOWN_GRACE` (the bound docs/guarantees.md promises) plus a margin for the process
 /// to start exiting and the test to see it: still running after that is a failure.
 fn exit_bound(shutdown_timeout: Duration) -> Duration {
     shutdown_timeout + timeoutd::cli::daemon::SHUTDOWN_GRACE + Duration::from_secs(3)
@@ -161,7 +161,7 @@ async fn calls_in_flight_stay_bounded_while_every_call_times_out() {
     })
     .await;
     let most = most.get();
-    // The figure for the README's fault table.
+    // The figure for the fault table in docs/guarantees.md.
     eprintln!("SLOWDB most calls in flight while every call timed out: {most}");
     assert!(
         observed,

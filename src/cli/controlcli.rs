@@ -25,6 +25,9 @@ pub struct PauseArgs {
     /// Why (shown by `paused`, recorded in the control collection).
     #[arg(long)]
     pub reason: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `timeoutd resume`.
@@ -39,6 +42,9 @@ pub struct ResumeArgs {
     /// Why (recorded in the control collection).
     #[arg(long)]
     pub reason: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `timeoutd pause`.
@@ -67,11 +73,16 @@ pub async fn pause(store: &Store, a: PauseArgs) -> anyhow::Result<()> {
             store.audit("pause", &actor, a.reason.as_deref(), details),
         )
         .await?;
-    println!(
-        "paused {} until {} (every instance stops claiming it within one poll interval)",
-        a.destination,
-        until.as_deref().unwrap_or("resumed")
-    );
+    if a.json {
+        let shown = serde_json::json!({ "paused": a.destination, "until": until });
+        println!("{shown}");
+    } else {
+        println!(
+            "paused {} until {} (every instance stops claiming it within one poll interval)",
+            a.destination,
+            until.as_deref().unwrap_or("resumed")
+        );
+    }
     Ok(())
 }
 
@@ -93,6 +104,12 @@ pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
             store.audit("resume", &actor, a.reason.as_deref(), details),
         )
         .await?;
+    if a.json {
+        let shown =
+            serde_json::json!({ "resumed": a.destination, "ramp": ramp, "was_paused": was });
+        println!("{shown}");
+        return Ok(());
+    }
     match ramp {
         Some(r) => println!(
             "resumed {}, its rate rising to unlimited over {r}",

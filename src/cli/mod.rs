@@ -1,13 +1,20 @@
 //! The command line: `run`, `check-config`, `schedule`, `stats`, `reap`, `parked`, `health`,
-//! and the operator commands of [`crate::cli::opscli`] (`list`, `cancel`, `reschedule`, `pause`,
-//! `resume`, `paused`).
+//! the operator commands of [`crate::cli::opscli`] and [`crate::cli::controlcli`] (`list`, `cancel`,
+//! `reschedule`, `pause`, `resume`, `paused`), and `completions` and `man`.
+//!
+//! One behaviour everywhere: every command that prints takes `--json`; an error is printed
+//! once, on stderr (`timeoutd: error: ...`; the daemon logs it instead); every command that
+//! moves or deletes records takes `--dry-run` and `--reason` and records the action.
 //!
 //! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments (an
 //! unknown id, a malformed instant), 3 records under a live lease were left as they are.
 
+pub mod checkcli;
+pub mod clienv;
 pub mod controlcli;
 pub mod daemon;
 pub mod opscli;
+pub mod parkedcli;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,16 +22,16 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bson::Document;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::config::{Config, LogFormat};
-use crate::record::{TimeoutRecord, display_id};
-use crate::redact::{RedactingWriter, redact_text};
+use crate::cli::parkedcli::ParkedCommand;
+use crate::config::Config;
+use crate::record::TimeoutRecord;
+use crate::redact::redact_text;
 use crate::service::shutdown;
 use crate::store::clock::ServerClock;
-use crate::store::parking::Requeued;
 use crate::store::{Store, server_time_in};
 
 /// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
@@ -32,7 +39,7 @@ use crate::store::{Store, server_time_in};
 #[command(name = "timeoutd", version, about)]
 pub struct Cli {
     /// Config file [default: config/timeoutd.toml if it exists, else /etc/timeoutd/timeoutd.toml]
-    #[arg(long, global = true, value_name = "PATH")]
+    #[arg(long, global = true, value_name = "PATH", env = clienv::CONFIG_ENV)]
     pub config: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
@@ -42,8 +49,17 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon in the foreground until SIGTERM or SIGINT.
     Run,
-    /// Load and validate the configuration, print it with passwords hidden.
-    CheckConfig,
+    /// Load and validate the configuration, print it with passwords hidden, naming the file
+    /// read and the environment variables applied.
+    CheckConfig {
+        /// Also check that MongoDB and RabbitMQ answer (under the configured deadlines) and
+        /// show their versions and the clock offset; exit 1 if either does not.
+        #[arg(long)]
+        connect: bool,
+        /// Print JSON instead of TOML.
+        #[arg(long)]
+        json: bool,
+    },
     /// Insert one ServiceConnect-shaped timeout record; prints its id.
     Schedule {
         /// Queue the TimeoutMessage is sent to.
@@ -58,6 +74,9 @@ pub enum Command {
         /// A custom header to forward, repeatable.
         #[arg(long = "header", value_name = "K=V", value_parser = parse_header)]
         headers: Vec<(String, String)>,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Counts of pending, due, leased, expired-lease, stuck, unschedulable and odd-`Locked`
     /// records, and the oldest due age.
@@ -67,7 +86,11 @@ pub enum Command {
         json: bool,
     },
     /// Free expired leases once and print how many.
-    Reap,
+    Reap {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Records timeoutd gave up on (poison, or refused max_attempts times).
     Parked {
         #[command(subcommand)]
@@ -94,35 +117,27 @@ pub enum Command {
         json: bool,
     },
     /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
+    /// The verdict goes to stderr.
     Health {
         /// URL to probe [default: /healthz on [http] listen, via 127.0.0.1 for 0.0.0.0]
         #[arg(long)]
         url: Option<String>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum ParkedCommand {
-    /// List parked records, oldest first.
-    List {
-        /// Print JSON instead of text.
+        /// Print the verdict as JSON on stdout as well.
         #[arg(long)]
         json: bool,
     },
-    /// Put parked records back into the timeouts collection, free, with their original Time
-    /// (a past Time fires at the next poll), and reset their attempt counts.
-    Requeue {
-        /// The record's id as `parked list` shows it.
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
-        id: Option<String>,
-        /// Requeue every parked record.
-        #[arg(long)]
-        all: bool,
+    /// Print a shell completion script, e.g. `timeoutd completions bash >
+    /// /etc/bash_completion.d/timeoutd`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
     },
-    /// Delete a parked record for good.
-    Drop {
-        /// The record's id as `parked list` shows it.
-        id: String,
+    /// Print the man page (roff), e.g. `timeoutd man | man -l -`; with --dir, write
+    /// timeoutd.1 and one timeoutd-COMMAND.1 per command there.
+    Man {
+        /// Write the pages into this directory instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
     },
 }
 
@@ -138,6 +153,22 @@ pub fn main(cli: Cli) -> ExitCode {
     // Test builds only: failpoints named in the FAILPOINTS environment variable.
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
+    match &cli.command {
+        Command::Completions { shell } => {
+            let mut command = Cli::command();
+            clap_complete::generate(*shell, &mut command, "timeoutd", &mut std::io::stdout());
+            return ExitCode::SUCCESS;
+        }
+        Command::Man { dir } => return clienv::man(Cli::command(), dir.as_deref()),
+        _ => {}
+    }
+    let daemon = matches!(cli.command, Command::Run);
+    let warnings = clienv::environment_warnings(std::env::vars_os());
+    if !daemon {
+        for w in &warnings {
+            eprintln!("timeoutd: warning: {w}");
+        }
+    }
     let config = match Config::load(cli.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
@@ -145,99 +176,39 @@ pub fn main(cli: Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match &cli.command {
-        Command::CheckConfig => {
-            print!("{}", config.to_redacted_toml());
-            return ExitCode::SUCCESS;
-        }
-        Command::Health { url } => return probe_health(url.as_deref(), &config),
-        _ => {}
+    if let Command::Health { url, json } = &cli.command {
+        return clienv::probe_health(url.as_deref(), &config, *json);
     }
-    init_logging(&config, matches!(cli.command, Command::Run));
+    clienv::init_logging(&config, daemon);
+    if daemon {
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("timeoutd: cannot start the async runtime: {e}");
+            eprintln!("timeoutd: error: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(execute(cli.command, config)) {
+    let source = crate::cli::checkcli::Source::of(cli.config.as_deref());
+    match runtime.block_on(execute(cli.command, config, source)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let shown = redact_text(&format!("{e:#}"));
-            let code = crate::cli::opscli::exit_code(&e);
-            if code == 1 {
-                tracing::error!("{shown}");
+            // Once: the daemon's error goes to its log (JSON under systemd and Kubernetes),
+            // a one-shot command's to stderr, as one line.
+            if daemon {
+                tracing::error!(error = %shown, "timeoutd stopped");
+            } else {
+                eprintln!("timeoutd: error: {shown}");
             }
-            eprintln!("timeoutd: error: {shown}");
-            ExitCode::from(code)
+            ExitCode::from(crate::cli::opscli::exit_code(&e))
         }
-    }
-}
-
-/// `timeoutd health`: one GET, no async runtime, no logging.
-fn probe_health(url: Option<&str>, config: &Config) -> ExitCode {
-    let url = url.map(str::to_string).unwrap_or_else(|| {
-        let mut addr = config.http.listen;
-        if addr.ip().is_unspecified() {
-            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        format!("http://{addr}/healthz")
-    });
-    let agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .new_agent();
-    match agent.get(&url).call() {
-        Ok(r) if r.status().is_success() => {
-            println!("healthy ({url})");
-            ExitCode::SUCCESS
-        }
-        Ok(r) => {
-            println!("unhealthy: {} ({url})", r.status());
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            println!("unhealthy: {e} ({url})");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// Logging to stderr through [`RedactingWriter`]. `[log] level` applies to the daemon; a
-/// one-shot command (stats, schedule, reap, parked) logs warnings and errors only, unless the
-/// level is quieter still, so its stderr stays empty when it succeeds. `RUST_LOG` overrides
-/// both.
-fn init_logging(config: &Config, daemon: bool) {
-    // lapin logs every returned message in full at WARN; timeoutd logs the failed send itself.
-    let from_env = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-        .and_then(|v| tracing_subscriber::EnvFilter::try_new(v).ok());
-    let level = match config.log.level.as_str() {
-        quieter @ ("error" | "off") => quieter,
-        _ if !daemon => "warn",
-        level => level,
-    };
-    let filter = from_env.unwrap_or_else(|| {
-        // Operator actions are logged with who ran them (`timeoutd::audit`), also by the
-        // one-shot commands.
-        let audit = if level == "error" || level == "off" {
-            ""
-        } else {
-            ",timeoutd::audit=info"
-        };
-        tracing_subscriber::EnvFilter::new(format!("{level},lapin::returned_messages=error{audit}"))
-    });
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(RedactingWriter);
-    match config.log.format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }
 
@@ -266,9 +237,16 @@ async fn with_store<T>(
     result
 }
 
-async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
+async fn execute(
+    command: Command,
+    config: Config,
+    source: crate::cli::checkcli::Source,
+) -> anyhow::Result<()> {
     match command {
-        Command::CheckConfig | Command::Health { .. } => Ok(()),
+        Command::Health { .. } | Command::Completions { .. } | Command::Man { .. } => Ok(()),
+        Command::CheckConfig { connect, json } => {
+            crate::cli::checkcli::check_config(&config, source, connect, json).await
+        }
         Command::Run => {
             let token = CancellationToken::new();
             let signals = tokio::spawn(shutdown::on_signal(token.clone()));
@@ -282,6 +260,7 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             correlation_id,
             delay,
             headers,
+            json,
         } => {
             with_store(&config, async |store| {
                 let mut header_doc = Document::new();
@@ -299,7 +278,11 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
                     .bounded("insert", store.insert(&record))
                     .await
                     .context("insert failed")?;
-                println!("{}", record.id);
+                if json {
+                    println!("{}", serde_json::json!({ "id": record.id.to_string() }));
+                } else {
+                    println!("{}", record.id);
+                }
                 Ok(())
             })
             .await
@@ -310,16 +293,23 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             })
             .await
         }
-        Command::Reap => {
+        Command::Reap { json } => {
             let freed = with_store(&config, async |store| {
                 Ok(store.bounded("reap", store.reap()).await?)
             })
             .await?;
-            println!("freed {freed} expired leases");
+            if json {
+                println!("{}", serde_json::json!({ "freed": freed }));
+            } else {
+                println!("freed {freed} expired leases");
+            }
             Ok(())
         }
         Command::Parked { action } => {
-            with_store(&config, async |store| parked(action, store).await).await
+            with_store(&config, async |store| {
+                crate::cli::parkedcli::parked(action, store).await
+            })
+            .await
         }
         Command::List(a) => {
             with_store(&config, async |s| crate::cli::opscli::list(s, a).await).await
@@ -349,62 +339,4 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
             .await
         }
     }
-}
-
-/// `timeoutd parked list|requeue|drop`. Every call is bounded by `[mongodb]
-/// operation_timeout`.
-async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> {
-    let parking = &store.parking();
-    let find = |shown: String| async move {
-        store
-            .bounded("find a parked record", parking.find_id(&shown))
-            .await?
-            .with_context(|| format!("no parked record has id {shown}"))
-    };
-    match action {
-        ParkedCommand::List { json } => {
-            let records = store.bounded("list", parking.list()).await?;
-            if json {
-                println!("{}", serde_json::to_string(&records)?);
-            } else {
-                for r in &records {
-                    println!(
-                        "{}  {}  {}  attempts={}  destination={}  {}",
-                        r.id,
-                        r.parked_at,
-                        r.reason,
-                        r.attempts,
-                        r.destination.as_deref().unwrap_or("-"),
-                        r.error
-                    );
-                }
-                println!("{} parked", records.len());
-            }
-        }
-        ParkedCommand::Requeue { id, all } => {
-            let ids = match (id, all) {
-                (Some(shown), _) => vec![find(shown).await?],
-                (None, _) => store.bounded("list", parking.all_ids()).await?,
-            };
-            for id in ids {
-                let shown = display_id(&id);
-                match store.bounded("requeue", parking.requeue(&id)).await? {
-                    Some(Requeued::Requeued) => println!("requeued {shown}"),
-                    Some(Requeued::AlreadyInTimeouts) => println!(
-                        "{shown} is still in the timeouts collection; dropped the parked copy"
-                    ),
-                    Some(Requeued::ParkedAgain) => println!(
-                        "requeued {shown}, but it failed again and was parked again meanwhile"
-                    ),
-                    None => println!("{shown} is no longer parked"),
-                }
-            }
-        }
-        ParkedCommand::Drop { id } => {
-            let id = find(id).await?;
-            store.bounded("drop", parking.drop(&id)).await?;
-            println!("dropped {}", display_id(&id));
-        }
-    }
-    Ok(())
 }

@@ -1,0 +1,271 @@
+//! `timeoutd check-config [--connect] [--json]`: the configuration as loaded, naming the file
+//! it came from and the `TIMEOUTD_*` variables that overrode it; with `--connect`, whether
+//! MongoDB and RabbitMQ answer, their versions and the clock offset, each call under the
+//! configured deadlines (`[mongodb] operation_timeout`, `[rabbitmq] connect_timeout`).
+//!
+//! The text output stays valid TOML: what is not configuration is written as `#` comments.
+
+use std::path::Path;
+use std::time::Instant;
+
+use bson::doc;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::config::{Config, ENV_PREFIX, resolve_path};
+use crate::dispatch::publisher::Publisher;
+use crate::redact::redact_text;
+use crate::store::clock::ServerClock;
+use crate::store::{Store, StoreError};
+
+/// The most a broker's Connection.Start frame may hold here (RabbitMQ's is about 500 bytes).
+const MAX_START_FRAME: usize = 64 * 1024;
+
+/// Where the configuration came from.
+#[derive(Debug, Serialize)]
+pub struct Source {
+    /// The file read, or the one looked for.
+    pub file: String,
+    /// Whether it existed (only the system default may be missing).
+    pub file_read: bool,
+    /// The `TIMEOUTD_<SECTION>__<KEY>` variables that were applied, by name.
+    pub environment: Vec<String>,
+}
+
+impl Source {
+    pub fn of(given: Option<&Path>) -> Self {
+        let (path, _) = resolve_path(given);
+        let mut environment: Vec<String> = std::env::vars_os()
+            .filter_map(|(k, _)| k.into_string().ok())
+            .filter(|k| k.starts_with(ENV_PREFIX) && k.contains("__"))
+            .collect();
+        environment.sort();
+        Self {
+            file_read: path.exists(),
+            file: path.display().to_string(),
+            environment,
+        }
+    }
+
+    fn text(&self) -> String {
+        let file = if self.file_read {
+            format!("# read {}", self.file)
+        } else {
+            format!("# no file read: {} does not exist (defaults)", self.file)
+        };
+        if self.environment.is_empty() {
+            format!("{file}\n")
+        } else {
+            format!(
+                "{file}, then from the environment: {}\n",
+                self.environment.join(", ")
+            )
+        }
+    }
+}
+
+/// One dependency's answer to `--connect`.
+#[derive(Debug, Serialize)]
+pub struct Reached {
+    pub ok: bool,
+    pub version: Option<String>,
+    /// MongoDB's clock minus this host's, in milliseconds (MongoDB only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clock_offset_ms: Option<i64>,
+    pub elapsed_ms: u64,
+    pub error: Option<String>,
+}
+
+impl Reached {
+    fn text(&self, name: &str) -> String {
+        let version = self.version.as_deref().unwrap_or("unknown");
+        match (&self.error, self.clock_offset_ms) {
+            (Some(e), _) => format!("# {name}: UNREACHABLE after {} ms: {e}", self.elapsed_ms),
+            (None, Some(offset)) => format!(
+                "# {name}: answered in {} ms, server version {version}, server clock minus host clock {offset:+} ms",
+                self.elapsed_ms
+            ),
+            (None, None) => format!(
+                "# {name}: answered in {} ms (connection and confirm channel opened), server {version}",
+                self.elapsed_ms
+            ),
+        }
+    }
+}
+
+/// `timeoutd check-config`. With `--connect`, fails (exit 1) when either dependency does not
+/// answer, after reporting both.
+pub async fn check_config(
+    config: &Config,
+    source: Source,
+    connect: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    let reached = if connect {
+        let (mongodb, rabbitmq) = tokio::join!(reach_mongodb(config), reach_rabbitmq(config));
+        Some((mongodb, rabbitmq))
+    } else {
+        None
+    };
+    if json {
+        let shown: toml::Table = toml::from_str(&config.to_redacted_toml())?;
+        let mut out = serde_json::json!({ "source": source, "config": shown });
+        if let (Some((m, r)), Some(o)) = (&reached, out.as_object_mut()) {
+            o.insert(
+                "connect".into(),
+                serde_json::json!({ "mongodb": m, "rabbitmq": r }),
+            );
+        }
+        println!("{out}");
+    } else {
+        print!("{}{}", source.text(), config.to_redacted_toml());
+        if let Some((m, r)) = &reached {
+            println!("{}\n{}", m.text("mongodb"), r.text("rabbitmq"));
+        }
+    }
+    match reached {
+        Some((m, r)) if !m.ok || !r.ok => {
+            let failed: Vec<&str> = [("MongoDB", &m), ("RabbitMQ", &r)]
+                .iter()
+                .filter(|(_, x)| !x.ok)
+                .map(|(n, _)| *n)
+                .collect();
+            anyhow::bail!("{} did not answer", failed.join(" and "))
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn reach_mongodb(config: &Config) -> Reached {
+    let started = Instant::now();
+    let limit = config.mongodb.operation_timeout;
+    let connect = crate::deadline::within(
+        limit,
+        "connecting to MongoDB",
+        Store::connect(&config.mongodb, ServerClock::default()),
+    )
+    .await;
+    let store = match connect {
+        Ok(s) => s.with_settings(config),
+        Err(e) => return failed(started, &e),
+    };
+    let offset = store
+        .bounded("read the server clock", store.refresh_clock())
+        .await;
+    let version = match &offset {
+        Ok(_) => store
+            .bounded("read the server version", server_version(&store))
+            .await
+            .ok(),
+        Err(_) => None,
+    };
+    let elapsed_ms = elapsed_ms(started);
+    if !store.close(crate::cli::CLOSE_TIMEOUT).await {
+        tracing::debug!("the MongoDB client did not close in time");
+    }
+    match offset {
+        Ok(offset) => Reached {
+            ok: true,
+            version,
+            clock_offset_ms: Some(offset),
+            elapsed_ms,
+            error: None,
+        },
+        Err(e) => failed(started, &e),
+    }
+}
+
+/// The server's version, from `buildInfo`.
+async fn server_version(store: &Store) -> Result<String, StoreError> {
+    let reply = store.db.run_command(doc! { "buildInfo": 1 }).await?;
+    Ok(reply.get_str("version").unwrap_or("unknown").to_string())
+}
+
+async fn reach_rabbitmq(config: &Config) -> Reached {
+    let started = Instant::now();
+    let mut publisher = match Publisher::new(&config.rabbitmq) {
+        Ok(p) => p,
+        Err(e) => return failed(started, &e),
+    };
+    let connected = publisher.connect().await;
+    let elapsed_ms = elapsed_ms(started);
+    publisher.close().await;
+    if let Err(e) = connected {
+        return failed(started, &e);
+    }
+    let version = tokio::time::timeout(
+        config.rabbitmq.connect_timeout,
+        broker_version(&config.rabbitmq.uri),
+    )
+    .await
+    .unwrap_or_else(|_| Err("no Connection.Start in time".into()));
+    Reached {
+        ok: true,
+        version: Some(version.unwrap_or_else(|e| format!("unknown ({e})"))),
+        clock_offset_ms: None,
+        elapsed_ms,
+        error: None,
+    }
+}
+
+/// The broker's product and version, from the Connection.Start it sends a client that opens
+/// an AMQP 0-9-1 connection (plain `amqp://` only; the client's library does not keep them).
+/// The socket is closed right after: the broker may log a handshake that was not finished.
+async fn broker_version(uri: &str) -> Result<String, String> {
+    let parsed: lapin::uri::AMQPUri = uri.parse().map_err(|e: String| redact_text(&e))?;
+    if parsed.scheme != lapin::uri::AMQPScheme::AMQP {
+        return Err("not read over amqps://".into());
+    }
+    let host = parsed.authority.host.clone();
+    let mut socket = tokio::net::TcpStream::connect((host.as_str(), parsed.authority.port))
+        .await
+        .map_err(|e| e.to_string())?;
+    socket
+        .write_all(b"AMQP\x00\x00\x09\x01")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut head = [0u8; 7];
+    socket
+        .read_exact(&mut head)
+        .await
+        .map_err(|e| e.to_string())?;
+    let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+    if head[0] != 1 || size > MAX_START_FRAME {
+        return Err("the broker sent no Connection.Start".into());
+    }
+    let mut payload = vec![0u8; size];
+    socket
+        .read_exact(&mut payload)
+        .await
+        .map_err(|e| e.to_string())?;
+    // class 10 (connection), method 10 (start), version-major, version-minor, properties.
+    if payload.get(..4) != Some(&[0, 10, 0, 10][..]) {
+        return Err("the broker sent no Connection.Start".into());
+    }
+    let table = payload.get(6..).unwrap_or_default();
+    let (_, properties) = lapin::types::parsing::parse_field_table(table)
+        .map_err(|_| "unreadable server properties".to_string())?;
+    let text = |key: &str| match properties.inner().get(key) {
+        Some(lapin::types::AMQPValue::LongString(s)) => Some(s.to_string()),
+        _ => None,
+    };
+    match (text("product"), text("version")) {
+        (Some(product), Some(version)) => Ok(format!("{product} {version}")),
+        (None, Some(version)) => Ok(version),
+        _ => Err("the broker did not say".into()),
+    }
+}
+
+fn elapsed_ms(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+fn failed(started: Instant, e: &dyn std::fmt::Display) -> Reached {
+    Reached {
+        ok: false,
+        version: None,
+        clock_offset_ms: None,
+        elapsed_ms: elapsed_ms(started),
+        error: Some(redact_text(&e.to_string())),
+    }
+}
