@@ -25,7 +25,7 @@ use crate::{daemon, shutdown};
 
 /// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
 #[derive(Debug, Parser)]
-#[command(name = "timeoutd", version, about)]
+#[command(name = "timeoutd", version = crate::buildinfo::LONG_VERSION, about)]
 pub struct Cli {
     /// Config file [default: config/timeoutd.toml if it exists, else /etc/timeoutd/timeoutd.toml]
     #[arg(long, global = true, value_name = "PATH")]
@@ -79,6 +79,9 @@ pub enum Command {
     /// encoding (records under a live lease are left and reported; exit 3 unless
     /// --skip-leased).
     Reschedule(crate::opscli::RescheduleArgs),
+    /// What fired, was parked or was cancelled, newest first ([history] keep turns it on):
+    /// when, to which queue, how late, from which instance.
+    History(crate::historycli::HistoryArgs),
     /// Stop every instance claiming a destination's timeouts (within one poll interval).
     Pause(crate::controlcli::PauseArgs),
     /// End a destination's pause, optionally ramping its rate up.
@@ -320,6 +323,9 @@ async fn execute(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Reschedule(a) => {
             with_store(&config, async |s| crate::opscli::reschedule(s, a).await).await
+        }
+        Command::History(a) => {
+            with_store(&config, async |s| crate::historycli::history(s, a).await).await
         }
         Command::Pause(a) => {
             with_store(&config, async |s| crate::controlcli::pause(s, a).await).await

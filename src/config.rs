@@ -36,6 +36,7 @@ pub struct Config {
     pub reaper: ReaperConfig,
     pub http: HttpConfig,
     pub log: LogConfig,
+    pub history: crate::history::HistoryConfig,
 }
 
 /// `[mongodb]`: where the ServiceConnect `Timeouts` collection lives.
@@ -566,6 +567,9 @@ impl Config {
                 );
             }
         }
+        if let Some(problem) = self.history.problem() {
+            bad("history.keep", problem);
+        }
         if let Some(i) = self.reaper.interval
             && i.is_zero()
         {
@@ -877,6 +881,9 @@ mod tests {
             ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
             ("[retry]\nmax_attempts = -1", "retry.max_attempts"),
             ("[retry]\nbogus = 1", "retry.bogus"),
+            ("[history]\nkeep = \"500ms\"", "history.keep"),
+            ("[history]\nkeep = \"100years\"", "history.keep"),
+            ("[history]\nbogus = 1", "history.bogus"),
             ("[log]\nlevel = \"timeoutd=loud\"", "log.level"),
             ("[http]\nlisten = \"127.0.0.1:99999\"", "http.listen"),
         ];

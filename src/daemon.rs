@@ -92,6 +92,10 @@ pub async fn run_with(
     );
     on_listen(addr);
     tracing::info!(
+        version = crate::buildinfo::VERSION,
+        revision = crate::buildinfo::REVISION,
+        built = crate::buildinfo::BUILD_DATE,
+        instance = %crate::buildinfo::instance(),
         database = %config.mongodb.database,
         collection = %config.mongodb.collection,
         time_encoding = ?config.mongodb.time_encoding,
@@ -177,6 +181,23 @@ async fn start(
     {
         tracing::warn!(error = %e, "could not create the control collection's indexes; continuing");
     }
+    let history = match config.history.is_on() {
+        true => {
+            if let Err(e) = store
+                .bounded(
+                    "create history indexes",
+                    store.ensure_history_indexes(config.history.keep),
+                )
+                .await
+            {
+                tracing::warn!(error = %e, "could not create the history collection's indexes (its TTL among them); continuing");
+            }
+            let (sink, rows) = crate::history::channel();
+            tasks.spawn("history", ok(crate::history::write(store.clone(), rows)));
+            Some(sink)
+        }
+        false => None,
+    };
     // Pauses in force before the first claim, so a starting instance claims none of them.
     match store.bounded("read pauses", store.read_control()).await {
         Ok(snapshot) => {
@@ -212,7 +233,8 @@ async fn start(
         health.clone(),
         shutdown.clone(),
         wake,
-    );
+    )
+    .with_history(history);
     tasks.spawn("dispatch", dispatcher.run());
     m::up(true);
     let (health, shutdown) = (health.clone(), shutdown.clone());

@@ -19,6 +19,8 @@
 //! - [`publisher`], RabbitMQ with publisher confirms; [`ratelimit`], send-rate limits;
 //! - [`dispatch`], the dispatch loop;
 //! - [`reaper`], freeing expired leases;
+//! - [`history`], what fired, was parked or cancelled (opt-in), and [`historycli`], the
+//!   `history` command;
 //! - [`metrics`], metric names and recording;
 //! - [`redact`], keeping credentials out of every output;
 //! - [`health`] and [`http`], liveness, readiness and the `/metrics` endpoint;
@@ -29,9 +31,11 @@
 //!   the audit of operator actions, and [`controlwatch`], the task that obeys them;
 //!   [`opscli`] and [`controlcli`], those commands on the
 //!   command line;
+//! - [`buildinfo`], which build this is and which instance;
 //! - [`cli`], the command line.
 
 pub mod backoff;
+pub mod buildinfo;
 pub mod census;
 pub mod claim;
 pub mod cli;
@@ -48,6 +52,8 @@ pub mod durability;
 pub mod guid;
 pub mod head;
 pub mod health;
+pub mod history;
+pub mod historycli;
 pub mod http;
 pub mod lease;
 pub mod listing;

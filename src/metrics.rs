@@ -61,8 +61,10 @@ pub const MONGODB_CALLS: &[&str] = &[
 pub const BACKGROUND_CALLS: &[&str] = &["backlog", "census", "reap", "shapes"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &[
-    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control",
+    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control", "history",
 ];
+/// `timeoutd_history_lost_total{reason}`.
+pub const HISTORY_LOST_REASONS: &[&str] = &["write_failed", "backlog"];
 
 /// A series' Prometheus type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,7 +322,7 @@ pub const SERIES: &[Series] = &[
         "timeoutd_build_info",
         Gauge,
         None,
-        "Always 1; the version label names the running build.",
+        "Always 1; the version and revision (git commit, or unknown) labels name the running build.",
     ),
     Series {
         start: Start::Zero,
@@ -358,6 +360,23 @@ pub const SERIES: &[Series] = &[
         ),
         "reason",
         HELD_BACK_REASONS,
+        Start::Zero,
+    ),
+    series(
+        "timeoutd_history_written_total",
+        Counter,
+        Some(Unit::Count),
+        "History rows written ([history] keep): fired, parked and cancelled timeouts.",
+    ),
+    labelled(
+        series(
+            "timeoutd_history_lost_total",
+            Counter,
+            Some(Unit::Count),
+            "History rows not written, by reason: write_failed (the write failed or timed out), backlog (the writer was too far behind); the timeouts themselves were unaffected.",
+        ),
+        "reason",
+        HISTORY_LOST_REASONS,
         Start::Zero,
     ),
 ];
@@ -530,4 +549,14 @@ pub fn paused_backlog(n: u64) {
 /// Claimed records held back from a send, by reason.
 pub fn held_back(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_held_back_total", "reason" => reason).increment(n as u64);
+}
+
+/// History rows written.
+pub fn history_written(n: usize) {
+    metrics::counter!("timeoutd_history_written_total").increment(n as u64);
+}
+
+/// History rows lost, by reason (one of [`HISTORY_LOST_REASONS`]).
+pub fn history_lost(reason: &'static str, n: usize) {
+    metrics::counter!("timeoutd_history_lost_total", "reason" => reason).increment(n as u64);
 }

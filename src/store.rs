@@ -75,6 +75,8 @@ pub struct Store {
     pub(crate) control_state: Arc<crate::control::ControlState>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
+    /// `[history] keep` is set: fired, parked and cancelled timeouts are recorded.
+    pub(crate) history_on: bool,
     /// The write concern and read preference the URI set, for [`Store::durability_risks`].
     write_concern: Option<mongodb::options::WriteConcern>,
     selection: Option<mongodb::options::SelectionCriteria>,
@@ -138,6 +140,7 @@ impl Store {
             census_state: Arc::default(),
             control_state: Arc::default(),
             op_timeout: config.operation_timeout,
+            history_on: false,
             write_concern,
             selection,
         })
@@ -149,6 +152,7 @@ impl Store {
     pub fn with_settings(mut self, config: &crate::config::Config) -> Self {
         self.decoding.forward_headers = config.rabbitmq.forward_headers;
         self.lock_lease = config.dispatch.lock_lease;
+        self.history_on = config.history.is_on();
         self
     }
 

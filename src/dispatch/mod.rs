@@ -89,6 +89,8 @@ enum LinkWork {
     Connected(Result<(), PublishError>),
     Wave {
         outcomes: Vec<SendOutcome>,
+        /// The `MessageId` of each message, in wave order (for history).
+        message_ids: Vec<Option<String>>,
         took: Duration,
     },
 }
@@ -139,6 +141,8 @@ pub struct Dispatcher {
     /// The pauses and ramps last applied ([`control`]).
     control: Arc<crate::control::Snapshot>,
     limits: crate::ratelimit::RateLimits,
+    /// Where confirmed waves and parked records are recorded, with `[history] keep`.
+    history: Option<crate::history::HistorySink>,
 }
 
 impl Dispatcher {
@@ -177,7 +181,14 @@ impl Dispatcher {
             failed: None,
             control: Arc::default(),
             limits,
+            history: None,
         }
+    }
+
+    /// Records what fires and what is parked through `sink` (`[history] keep`).
+    pub fn with_history(mut self, sink: Option<crate::history::HistorySink>) -> Self {
+        self.history = sink;
+        self
     }
 
     /// Runs until shutdown; then releases what it holds (owner-guarded), waits for the wave
@@ -299,11 +310,19 @@ impl Dispatcher {
                 self.link_task = None;
                 self.end_wave();
                 self.frame_max = publisher.frame_max();
-                self.link_up = publisher.is_connected();
+                let was_up = std::mem::replace(&mut self.link_up, publisher.is_connected());
+                if self.link_up && !was_up {
+                    // A first connect, or a reconnect (by a connect or by a wave's own).
+                    tracing::info!("RabbitMQ connection open");
+                }
                 self.publisher = Some(*publisher);
                 match work {
                     LinkWork::Connected(result) => self.on_connected(result),
-                    LinkWork::Wave { outcomes, took } => self.on_wave_sent(outcomes, took),
+                    LinkWork::Wave {
+                        outcomes,
+                        message_ids,
+                        took,
+                    } => self.on_wave_sent(outcomes, message_ids, took),
                 }
             }
             Done::Removed => self.removals -= 1,
@@ -410,9 +429,10 @@ impl Dispatcher {
             && let Some(work) = self.settle_queue.pop_front()
         {
             let (store, retry) = (self.store.clone(), self.config.retry.clone());
+            let history = self.history.clone();
             self.settling += 1;
             self.tasks.spawn(async move {
-                if AssertUnwindSafe(work.run(&store, &retry))
+                if AssertUnwindSafe(work.run(&store, &retry, history.as_ref()))
                     .catch_unwind()
                     .await
                     .is_err()

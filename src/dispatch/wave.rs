@@ -2,12 +2,14 @@
 //! a time, by a task that owns the link for the length of the wave), and settling each record
 //! of a wave as soon as the wave's outcomes are known.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
 use super::settle::{Failure, Settle};
 use super::{Dispatcher, Done, LinkWork, WaveSignals};
+use crate::history;
 use crate::lease::PrePublish;
 use crate::message::{self, OutgoingMessage};
 use crate::metrics as m;
@@ -30,25 +32,44 @@ impl Dispatcher {
         }
     }
 
-    /// A wave's outcomes are known: each record is settled now.
-    pub(super) fn on_wave_sent(&mut self, outcomes: Vec<SendOutcome>, took: Duration) {
+    /// A wave's outcomes are known: each record is settled now, the wave is summarised in
+    /// one line, and the confirmed records go to history (which nothing here waits for).
+    pub(super) fn on_wave_sent(
+        &mut self,
+        outcomes: Vec<SendOutcome>,
+        message_ids: Vec<Option<String>>,
+        took: Duration,
+    ) {
         m::publish_confirm(took);
         self.health.set_up(m::RABBITMQ, self.link_up);
         let confirmed_at = self.store.clock().now();
         let mut failed = Vec::new();
         let mut unconfirmed = false;
-        for (r, outcome) in std::mem::take(&mut self.in_flight)
+        let mut summary = WaveSummary::default();
+        let mut fired = Vec::new();
+        for (i, (r, outcome)) in std::mem::take(&mut self.in_flight)
             .into_iter()
             .zip(outcomes)
+            .enumerate()
         {
             let (id, destination, owner) = (r.record.id, &r.record.destination, r.lease.owner);
+            let correlation_id = r.record.process_manager_id;
             match outcome {
                 SendOutcome::Confirmed => {
-                    tracing::debug!(timeout_id = %id, %destination, %owner, late_ms = confirmed_at.timestamp_millis().saturating_sub(r.record.due.timestamp_millis()), "timeout sent");
+                    let late_ms = confirmed_at
+                        .timestamp_millis()
+                        .saturating_sub(r.record.due.timestamp_millis());
+                    tracing::debug!(timeout_id = %id, %correlation_id, %destination, %owner, late_ms, "timeout sent");
                     m::dispatched(r.record.due, confirmed_at);
+                    summary.confirmed(destination, late_ms);
+                    if self.history.is_some() {
+                        let message_id = message_ids.get(i).cloned().flatten();
+                        fired.push(history::fired(&r.id, &r.record, message_id, confirmed_at));
+                    }
                     self.confirmed.push(r);
                 }
                 SendOutcome::Returned | SendOutcome::Nacked => {
+                    summary.refused += 1;
                     m::publish_failure(outcome.reason());
                     self.settle_queue.push_back(Settle::Refused {
                         ready: Box::new(r),
@@ -56,19 +77,24 @@ impl Dispatcher {
                     });
                 }
                 other => {
+                    summary.failed += 1;
                     if other.outcome_unknown() {
                         // The broker may have it: releasing lets a peer send it again, a
                         // possible duplicate, counted as a lost lease.
-                        tracing::warn!(timeout_id = %id, %destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
+                        tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
                         m::lease_lost(1);
                         unconfirmed = true;
                     } else {
-                        tracing::warn!(timeout_id = %id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
+                        tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
                     }
                     m::publish_failure(other.reason());
                     failed.push((r.id, r.lease));
                 }
             }
+        }
+        summary.log(took);
+        if let Some(sink) = &self.history {
+            sink.record(fired);
         }
         self.release(failed, "publish_failed");
         if unconfirmed {
@@ -144,6 +170,10 @@ impl Dispatcher {
         };
         let stop_waiting = self.confirm_deadline();
         tracing::debug!(records = messages.len(), "publishing a wave");
+        let message_ids: Vec<Option<String>> = messages
+            .iter()
+            .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
+            .collect();
         let alive = CancellationToken::new();
         self.wave = Some(WaveSignals {
             answered: alive.clone(),
@@ -164,6 +194,7 @@ impl Dispatcher {
                 publisher: Box::new(publisher),
                 work: LinkWork::Wave {
                     outcomes,
+                    message_ids,
                     took: started.elapsed(),
                 },
             }
@@ -188,5 +219,59 @@ impl Dispatcher {
             token.cancel();
         });
         stop
+    }
+}
+
+/// Most destinations a wave summary names; the rest are counted.
+const SUMMARY_DESTINATIONS: usize = 20;
+
+/// One info line per wave: how many records, how late, to which destinations.
+#[derive(Debug, Default)]
+struct WaveSummary {
+    sent: usize,
+    refused: usize,
+    failed: usize,
+    late_ms: Option<(i64, i64)>,
+    destinations: BTreeMap<String, usize>,
+}
+
+impl WaveSummary {
+    fn confirmed(&mut self, destination: &str, late_ms: i64) {
+        self.sent += 1;
+        let (lo, hi) = self.late_ms.unwrap_or((late_ms, late_ms));
+        self.late_ms = Some((lo.min(late_ms), hi.max(late_ms)));
+        if let Some(n) = self.destinations.get_mut(destination) {
+            *n += 1;
+            return;
+        }
+        let key = match self.destinations.len() < SUMMARY_DESTINATIONS {
+            true => destination,
+            false => "(others)",
+        };
+        *self.destinations.entry(key.to_string()).or_default() += 1;
+    }
+
+    /// `q1=3 q2=5`.
+    fn destinations(&self) -> String {
+        let shown: Vec<String> = self
+            .destinations
+            .iter()
+            .map(|(d, n)| format!("{d}={n}"))
+            .collect();
+        shown.join(" ")
+    }
+
+    fn log(&self, took: Duration) {
+        let (late_min, late_max) = self.late_ms.unwrap_or_default();
+        tracing::info!(
+            sent = self.sent,
+            refused = self.refused,
+            failed = self.failed,
+            late_ms_min = late_min,
+            late_ms_max = late_max,
+            destinations = %self.destinations(),
+            took_ms = took.as_millis() as u64,
+            "wave sent"
+        );
     }
 }
