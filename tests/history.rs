@@ -48,7 +48,7 @@ async fn rows(env: &TestEnv, n: usize) -> Vec<Document> {
     docs
 }
 
-fn row_of<'a>(docs: &'a [Document], id: Uuid) -> &'a Document {
+fn row_of(docs: &[Document], id: Uuid) -> &Document {
     docs.iter()
         .find(|d| d.get_str("timeout_id") == Ok(id.to_string().as_str()))
         .unwrap_or_else(|| panic!("no history row for {id}: {docs:?}"))
