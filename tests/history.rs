@@ -225,6 +225,11 @@ async fn fired_records_are_in_history_with_every_field_and_the_logs_name_them() 
             && c["owner"].is_string()),
         "{claims:?}"
     );
+    assert_eq!(
+        find("RabbitMQ connection open").len(),
+        1,
+        "the connect is logged once"
+    );
     let start = find("timeoutd starting");
     assert_eq!(start.len(), 1);
     assert_eq!(start[0]["version"], env!("CARGO_PKG_VERSION"));
