@@ -1,19 +1,115 @@
-//! `timeoutd history`: what fired (and what was parked or cancelled), newest first, from
+//! `timeoutd history`: what fired (and what was parked or cancelled), newest first, read from
 //! `<collection>_history` ([`crate::history`]); and the rows `cancel` adds there.
 //!
 //! Exit codes as every command: 0 done (no rows included), 1 a runtime failure, 2 bad input.
 
 use std::time::Duration;
 
-use bson::DateTime;
+use bson::{Bson, DateTime, Document, doc};
 use clap::Args;
+use futures::TryStreamExt;
+use serde::Serialize;
 use uuid::Uuid;
 
 use crate::control::Actor;
-use crate::history::{Ended, Entry, Filter, event};
+use crate::history::{Ended, event, field, int};
+use crate::listing::show_instant;
 use crate::ops::Outcome;
 use crate::opscli::{dash, parse_destination, parse_instant};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
+
+/// What `timeoutd history` selects.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    pub correlation_id: Option<String>,
+    pub timeout_id: Option<String>,
+    pub destination: Option<String>,
+    pub since: Option<DateTime>,
+    pub limit: i64,
+}
+
+/// One row as `timeoutd history` shows it. Every field may be missing or of the wrong type
+/// in a stored row: it is then shown as absent.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Entry {
+    pub event: String,
+    /// RFC 3339.
+    pub at: Option<String>,
+    pub timeout_id: String,
+    pub correlation_id: Option<String>,
+    pub destination: Option<String>,
+    pub due: Option<String>,
+    pub late_ms: Option<i64>,
+    pub attempts: Option<i64>,
+    pub message_id: Option<String>,
+    pub instance: Option<String>,
+    pub reason: Option<String>,
+    pub detail: Option<String>,
+}
+
+fn text(d: &Document, key: &str) -> Option<String> {
+    match d.get(key) {
+        Some(Bson::String(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn instant(d: &Document, key: &str) -> Option<String> {
+    match d.get(key) {
+        Some(Bson::DateTime(t)) => show_instant(*t),
+        _ => None,
+    }
+}
+
+impl Entry {
+    pub fn from_doc(d: &Document) -> Self {
+        Self {
+            event: text(d, field::EVENT).unwrap_or_else(|| "-".into()),
+            at: instant(d, field::AT),
+            timeout_id: text(d, field::TIMEOUT_ID).unwrap_or_else(|| "-".into()),
+            correlation_id: text(d, field::CORRELATION_ID),
+            destination: text(d, field::DESTINATION),
+            due: instant(d, field::DUE),
+            late_ms: int(d, field::LATE_MS),
+            attempts: int(d, field::ATTEMPTS),
+            message_id: text(d, field::MESSAGE_ID),
+            instance: text(d, field::INSTANCE),
+            reason: text(d, field::REASON),
+            detail: text(d, field::DETAIL),
+        }
+    }
+}
+
+impl Store {
+    /// Rows of `timeoutd history`, newest first.
+    pub async fn read_history(&self, f: &Filter) -> Result<Vec<Entry>, StoreError> {
+        let mut filter = Document::new();
+        for (key, value) in [
+            (field::CORRELATION_ID, &f.correlation_id),
+            (field::TIMEOUT_ID, &f.timeout_id),
+            (field::DESTINATION, &f.destination),
+        ] {
+            if let Some(v) = value {
+                filter.insert(key, v);
+            }
+        }
+        if let Some(since) = f.since {
+            filter.insert(field::AT, doc! { "$gte": since });
+        }
+        let docs: Vec<Document> = self
+            .query(async {
+                self.history()
+                    .find(filter)
+                    .sort(doc! { field::AT: -1 })
+                    .limit(f.limit)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        Ok(docs.iter().map(Entry::from_doc).collect())
+    }
+}
 
 /// `--since`: an instant, or how far back from now.
 #[derive(Debug, Clone, Copy, PartialEq)]
