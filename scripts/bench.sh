@@ -7,7 +7,7 @@
 # Knobs (environment): TIMEOUTD_BENCH_SCALE (1 = the sizes, 0.1 for a quick run),
 # TIMEOUTD_BENCH_MONGODB_URI, TIMEOUTD_BENCH_AMQP_URI, TIMEOUTD_BENCH_OUT,
 # TIMEOUTD_BENCH_ONLY (comma-separated: raw,floors,baseline,timeoutd-1,timeoutd-3,
-# lateness-timeoutd,lateness-baseline,claim,claim-paused,rss), TIMEOUTD_BENCH_SHAPE (v7, the
+# lateness-timeoutd,lateness-baseline,claim,claim-paused,rss,history), TIMEOUTD_BENCH_SHAPE (v7, the
 # default: v7's indexes on every collection; public: the public releases' records, no index).
 # Extra arguments go to `cargo bench`.
 set -euo pipefail

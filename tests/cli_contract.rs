@@ -157,6 +157,14 @@ async fn every_printing_command_prints_json_and_bad_input_exits_2_saying_so_once
         ),
         ("pause", vec!["pause", &q, "--json"], 0, None),
         ("paused", vec!["paused", "--json"], 0, None),
+        // With history off in this configuration it says so (once, on stderr) and shows
+        // what is stored.
+        (
+            "history",
+            vec!["history", "--json"],
+            0,
+            Some("history] keep is 0s"),
+        ),
         ("resume", vec!["resume", &q, "--json"], 0, None),
         ("parked list", vec!["parked", "list", "--json"], 0, None),
         (

@@ -145,6 +145,31 @@ fn dockerfile_passes_hadolint() {
     );
     assert_eq!(args("EXPOSE"), ["9464"]);
     assert_eq!(args("STOPSIGNAL"), ["SIGTERM"]);
+    // The image names its build: the OCI labels come from build args, and the commit reaches
+    // the binary (build.rs reads TIMEOUTD_GIT_REVISION; .git is not in the build context).
+    let labels = args("LABEL").join(" ");
+    for (label, arg) in [
+        ("revision", "REVISION"),
+        ("version", "VERSION"),
+        ("source", "SOURCE"),
+    ] {
+        assert!(
+            labels.contains(&format!("org.opencontainers.image.{label}=\"${{{arg}}}\"")),
+            "no OCI {label} label from the {arg} build arg: {labels}"
+        );
+        assert!(
+            args("ARG").iter().any(|a| a.starts_with(arg)),
+            "no ARG {arg}"
+        );
+    }
+    assert!(
+        args("ENV").contains(&"TIMEOUTD_GIT_REVISION=${REVISION}"),
+        "the build stage must hand REVISION to build.rs"
+    );
+    assert!(
+        args("COPY").iter().any(|c| c.contains("build.rs")),
+        "build.rs must be copied into the build stage"
+    );
     assert_ne!(dockerfile_uid(), 0, "the image must not run as root");
     let froms = args("FROM");
     assert!(

@@ -11,6 +11,18 @@ pub(crate) async fn scenario_timeoutd_drain(
     n: u64,
     instances: usize,
 ) -> Result<Row> {
+    drain_with(ctx, scen, key, n, instances, &[]).await
+}
+
+/// [`scenario_timeoutd_drain`] with more `TIMEOUTD_*` variables for the daemons.
+pub(crate) async fn drain_with(
+    ctx: &Ctx,
+    scen: &Scen,
+    key: &str,
+    n: u64,
+    instances: usize,
+    extra: &[(String, String)],
+) -> Result<Row> {
     // timeoutd's indexes exist before the records do, so that no instance builds them on a
     // full collection inside the timed window.
     let store = Store::connect(&ctx.mongo_config(&scen.db), ServerClock::default()).await?;
@@ -23,7 +35,7 @@ pub(crate) async fn scenario_timeoutd_drain(
     let started_us = now_us();
     let mut daemons = Vec::new();
     for i in 0..instances {
-        daemons.push(Daemon::spawn(ctx, &scen.db, &format!("{key}-{i}")).await?);
+        daemons.push(Daemon::spawn_with(ctx, &scen.db, &format!("{key}-{i}"), extra).await?);
     }
     let outcome = wait_drained(&scen.coll, n, counter.as_ref(), || {
         daemons.iter_mut().try_for_each(Daemon::check_alive)

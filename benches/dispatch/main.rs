@@ -22,7 +22,9 @@
 //! - `claim-paused` (issue 14): claims of 500 with 100k due records of a paused destination
 //!   at the head of the due range, per `Time` shape, against the same without them
 //!   (`benches/dispatch/paused.rs`);
-//! - `rss`: one `timeoutd run` draining 100k due records; its peak RSS (`VmHWM`).
+//! - `rss`: one `timeoutd run` draining 100k due records; its peak RSS (`VmHWM`);
+//! - `history` (rows `history-off`, `history-on`, issue 22): `timeoutd-1`'s drain with
+//!   `[history] keep` off and on, alternated, twice each, in this run (`history.rs`).
 //!
 //! Throughput is counted by a consumer on the destination queue (deliveries per `MessageId`,
 //! which is the record id; duplicates are deliveries beyond the first) together with the time
@@ -36,7 +38,8 @@
 //!   (1 = the issue's sizes, 0.1 for a quick run);
 //! - `TIMEOUTD_BENCH_OUT`: where the JSON goes (default `target/bench/dispatch.json`);
 //! - `TIMEOUTD_BENCH_ONLY`: comma-separated scenario keys (`raw,floors,baseline,timeoutd-1,
-//!   timeoutd-3,lateness-timeoutd,lateness-baseline,claim,claim-paused,rss`), default all;
+//!   timeoutd-3,lateness-timeoutd,lateness-baseline,claim,claim-paused,rss,history`), default
+//!   all;
 //! - `TIMEOUTD_BENCH_SHAPE`: `v7` (default: the lease-era schema with ServiceConnect v7's
 //!   three indexes, created before every scenario) or `public` (what the public releases
 //!   write: date `Time`, C#-legacy GUIDs, no lease fields, no index but `_id`);
@@ -63,6 +66,7 @@ mod claims;
 mod consumer;
 mod drain;
 mod floors;
+mod history;
 mod paused;
 mod raw;
 mod report;
@@ -144,6 +148,7 @@ const ALL_SCENARIOS: &[&str] = &[
     "claim",
     "claim-paused",
     "rss",
+    "history",
 ];
 
 fn main() {
@@ -287,6 +292,7 @@ async fn run(started_mongo: Option<&Secantus>) -> Result<()> {
             "rss" => scenario_timeoutd_drain(&ctx, &scen, key, ctx.scaled(RSS_RECORDS, 1_000), 1)
                 .await
                 .map(|r| vec![r]),
+            "history" => history::scenario(&ctx, ctx.scaled(DRAIN_RECORDS, 1_000)).await,
             _ => unreachable!(),
         };
         scen.cleanup(&ctx).await;

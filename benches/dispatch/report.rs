@@ -191,6 +191,17 @@ pub(crate) fn targets(rows: &[Row]) -> Vec<Target> {
         }),
         m.map(|((a, b), d)| a >= 0.95 * b && d == 0),
     );
+    let h = rate("history-on").zip(rate("history-off"));
+    push(
+        "history on >= 0.90x history off (drain, same run)",
+        h.map(|(on, off)| {
+            format!(
+                "{:.2}x ({on:.0}/s vs {off:.0}/s)",
+                on / off.max(f64::MIN_POSITIVE)
+            )
+        }),
+        h.map(|(on, off)| on >= 0.9 * off),
+    );
     let l = row("lateness-timeoutd").and_then(|r| r.lateness_ms.clone());
     push(
         "timeoutd lateness p99 <= 25 ms, max <= 100 ms",

@@ -103,11 +103,22 @@ pub(crate) fn daemon_env(ctx: &Ctx, db: &str, port: u16) -> Vec<(String, String)
 
 impl Daemon {
     pub(crate) async fn spawn(ctx: &Ctx, db: &str, name: &str) -> Result<Self> {
+        Self::spawn_with(ctx, db, name, &[]).await
+    }
+
+    /// [`Daemon::spawn`] with more `TIMEOUTD_*` variables (the `history` scenario).
+    pub(crate) async fn spawn_with(
+        ctx: &Ctx,
+        db: &str,
+        name: &str,
+        extra: &[(String, String)],
+    ) -> Result<Self> {
         use std::os::unix::process::CommandExt;
         let port = free_port()?;
         let log = ctx.work.path().join(format!("{name}.log"));
         let log_file = std::fs::File::create(&log)?;
-        let env = daemon_env(ctx, db, port);
+        let mut env = daemon_env(ctx, db, port);
+        env.extend(extra.iter().cloned());
         let mut cmd = std::process::Command::new(&ctx.bin);
         cmd.arg("run")
             // Not the repository: config/timeoutd.toml must not apply.

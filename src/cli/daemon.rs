@@ -104,6 +104,10 @@ pub async fn run_with(
     );
     on_listen(addr);
     tracing::info!(
+        version = crate::service::buildinfo::VERSION,
+        revision = crate::service::buildinfo::REVISION,
+        built = crate::service::buildinfo::BUILD_DATE,
+        instance = %crate::service::buildinfo::instance(),
         database = %config.mongodb.database,
         collection = %config.mongodb.collection,
         time_encoding = ?config.mongodb.time_encoding,
@@ -212,6 +216,26 @@ async fn start(
             shutdown.clone(),
         )),
     );
+    let history = match config.history.is_on() {
+        true => {
+            let (sink, rows) = crate::store::history::channel();
+            let (store, keep) = (store.clone(), config.history.keep);
+            // Its indexes (the TTL among them) are asked for here, never waited for by
+            // start-up, like timeoutd's other indexes.
+            tasks.spawn(
+                "history",
+                ok(async move {
+                    let indexes = store.ensure_history_indexes(keep);
+                    if let Err(e) = store.bounded("create history indexes", indexes).await {
+                        tracing::warn!(error = %e, "could not create the history collection's indexes (its TTL among them); history rows are written but may not expire until a restart creates them");
+                    }
+                    crate::store::history::write(store, rows).await
+                }),
+            );
+            Some(sink)
+        }
+        false => None,
+    };
     // Pauses in force before the first claim, so a starting instance claims none of them.
     let control = Arc::new(ControlState::default());
     match store.bounded("read pauses", store.read_control()).await {
@@ -250,7 +274,8 @@ async fn start(
         health.clone(),
         shutdown.clone(),
         wake,
-    );
+    )
+    .with_history(history);
     tasks.spawn("dispatch", dispatcher.run());
     m::up(true);
     let (health, shutdown) = (health.clone(), shutdown.clone());

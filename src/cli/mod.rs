@@ -13,6 +13,7 @@ pub mod checkcli;
 pub mod clienv;
 pub mod controlcli;
 pub mod daemon;
+pub mod historycli;
 pub mod opscli;
 pub mod parkedcli;
 
@@ -36,7 +37,7 @@ use crate::store::{Store, server_time_in};
 
 /// Fires ServiceConnect process-manager timeouts from MongoDB to RabbitMQ.
 #[derive(Debug, Parser)]
-#[command(name = "timeoutd", version, about)]
+#[command(name = "timeoutd", version = crate::service::buildinfo::LONG_VERSION, about)]
 pub struct Cli {
     /// Config file [default: config/timeoutd.toml if it exists, else /etc/timeoutd/timeoutd.toml]
     #[arg(long, global = true, value_name = "PATH", env = clienv::CONFIG_ENV)]
@@ -106,6 +107,9 @@ pub enum Command {
     /// encoding (records under a live lease are left and reported; exit 3 unless
     /// --skip-leased).
     Reschedule(crate::cli::opscli::RescheduleArgs),
+    /// What fired, was parked or was cancelled, newest first ([history] keep turns it on):
+    /// when, to which queue, how late, from which instance.
+    History(crate::cli::historycli::HistoryArgs),
     /// Stop every instance claiming a destination's timeouts (within one poll interval).
     Pause(crate::cli::controlcli::PauseArgs),
     /// End a destination's pause, optionally ramping its rate up.
@@ -320,6 +324,12 @@ async fn execute(
         Command::Reschedule(a) => {
             with_store(&config, async |s| {
                 crate::cli::opscli::reschedule(s, a).await
+            })
+            .await
+        }
+        Command::History(a) => {
+            with_store(&config, async |s| {
+                crate::cli::historycli::history(s, a).await
             })
             .await
         }

@@ -43,6 +43,7 @@ pub struct Config {
     pub reaper: ReaperConfig,
     pub http: HttpConfig,
     pub log: LogConfig,
+    pub history: HistoryConfig,
 }
 
 /// Which file to read: the one given, else [`LOCAL_CONFIG_PATH`] when it exists, else

@@ -331,3 +331,35 @@ pub enum LogFormat {
     /// One JSON object a line, for Kubernetes and journald.
     Json,
 }
+
+/// MongoDB keeps `expireAfterSeconds` in a 32-bit integer.
+pub const MAX_KEEP_SECS: u64 = i32::MAX as u64;
+
+/// `[history]`: whether and how long fired, parked and cancelled timeouts are kept.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct HistoryConfig {
+    /// How long a row is kept; `0s` (the default): no history is written.
+    #[serde(with = "humantime_serde")]
+    pub keep: Duration,
+}
+
+impl HistoryConfig {
+    pub fn is_on(&self) -> bool {
+        !self.keep.is_zero()
+    }
+
+    /// What is wrong with `keep`, if anything.
+    pub fn problem(&self) -> Option<String> {
+        let secs = self.keep.as_secs();
+        if self.is_on() && secs == 0 {
+            Some("must be 0s (off) or at least 1s".into())
+        } else if secs > MAX_KEEP_SECS {
+            Some(format!(
+                "must be at most {MAX_KEEP_SECS}s (MongoDB's TTL limit)"
+            ))
+        } else {
+            None
+        }
+    }
+}

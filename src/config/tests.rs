@@ -148,6 +148,9 @@ fn every_other_rule_names_its_key() {
         ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
         ("[retry]\nmax_attempts = -1", "retry.max_attempts"),
         ("[retry]\nbogus = 1", "retry.bogus"),
+        ("[history]\nkeep = \"500ms\"", "history.keep"),
+        ("[history]\nkeep = \"100years\"", "history.keep"),
+        ("[history]\nbogus = 1", "history.bogus"),
         ("[log]\nlevel = \"timeoutd=loud\"", "log.level"),
         ("[http]\nlisten = \"127.0.0.1:99999\"", "http.listen"),
     ];

@@ -128,6 +128,9 @@ impl Config {
                 );
             }
         }
+        if let Some(problem) = self.history.problem() {
+            bad("history.keep", problem);
+        }
         if let Some(i) = self.reaper.interval
             && i.is_zero()
         {

@@ -88,7 +88,8 @@ impl Dispatcher {
         }
         let lease = claim.lease;
         let owner = lease.owner;
-        tracing::debug!(%owner, claimed = claim.rows.len(), "claimed batch");
+        // At info, with the instance: ties the owner `list` shows to the process holding it.
+        tracing::info!(%owner, instance = crate::service::buildinfo::instance(), claimed = claim.rows.len(), "claimed batch");
         m::claimed(claim.rows.len());
         if self.shutdown.is_cancelled() {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();

@@ -32,6 +32,7 @@ mod held;
 pub mod publisher;
 pub mod ratelimit;
 mod settle;
+mod summary;
 pub mod wakeup;
 mod wave;
 
@@ -97,6 +98,8 @@ enum LinkWork {
     Connected(Result<(), PublishError>),
     Wave {
         outcomes: Vec<SendOutcome>,
+        /// The `MessageId` of each message, in wave order (for history).
+        message_ids: Vec<Option<String>>,
         took: Duration,
     },
 }
@@ -153,6 +156,8 @@ pub struct Dispatcher {
     /// Where the control watcher leaves the latest pauses and ramps.
     control_state: Arc<crate::operator::control::ControlState>,
     limits: crate::dispatch::ratelimit::RateLimits,
+    /// Where confirmed waves and parked records are recorded, with `[history] keep`.
+    history: Option<crate::store::history::HistorySink>,
 }
 
 impl Dispatcher {
@@ -196,7 +201,14 @@ impl Dispatcher {
             control: Arc::default(),
             control_state,
             limits,
+            history: None,
         }
+    }
+
+    /// Records what fires and what is parked through `sink` (`[history] keep`).
+    pub fn with_history(mut self, sink: Option<crate::store::history::HistorySink>) -> Self {
+        self.history = sink;
+        self
     }
 
     /// Runs until shutdown; then releases what it holds (owner-guarded), waits for the wave
@@ -319,11 +331,19 @@ impl Dispatcher {
                 self.link_task = None;
                 self.end_wave();
                 self.frame_max = publisher.frame_max();
-                self.link_up = publisher.is_connected();
+                let was_up = std::mem::replace(&mut self.link_up, publisher.is_connected());
+                if self.link_up && !was_up {
+                    // A first connect, or a reconnect (by a connect or by a wave's own).
+                    tracing::info!("RabbitMQ connection open");
+                }
                 self.publisher = Some(*publisher);
                 match work {
                     LinkWork::Connected(result) => self.on_connected(result),
-                    LinkWork::Wave { outcomes, took } => self.on_wave_sent(outcomes, took),
+                    LinkWork::Wave {
+                        outcomes,
+                        message_ids,
+                        took,
+                    } => self.on_wave_sent(outcomes, message_ids, took),
                 }
             }
             Done::Removed => self.removals -= 1,
@@ -431,9 +451,10 @@ impl Dispatcher {
             && let Some(work) = self.settle_queue.pop_front()
         {
             let (store, retry) = (self.store.clone(), self.config.retry.clone());
+            let history = self.history.clone();
             self.settling += 1;
             self.tasks.spawn(async move {
-                if AssertUnwindSafe(work.run(&store, &retry))
+                if AssertUnwindSafe(work.run(&store, &retry, history.as_ref()))
                     .catch_unwind()
                     .await
                     .is_err()

@@ -13,9 +13,11 @@ use crate::backoff::Backoff;
 use crate::config::RetryConfig;
 use crate::dispatch::publisher::SendOutcome;
 use crate::metrics as m;
+use crate::record::field;
 use crate::record::{TimeoutRecord, display_id};
 use crate::service::health::Health;
 use crate::store::Store;
+use crate::store::history::{self, Ended, HistorySink};
 use crate::store::lease::Lease;
 use crate::store::parking::{ParkReason, Parked};
 
@@ -75,14 +77,14 @@ impl Settle {
             .collect()
     }
 
-    /// Runs the work.
-    pub async fn run(self, store: &Store, retry: &RetryConfig) {
+    /// Runs the work; parked records go to `history` when it is on.
+    pub async fn run(self, store: &Store, retry: &RetryConfig, history: Option<&HistorySink>) {
         match self {
             Settle::Release { lease, ids, reason } => {
                 release(store, &ids, lease.owner, reason).await
             }
             Settle::Refused { ready, outcome } => {
-                retry_or_park(store, retry, *ready, outcome).await
+                retry_or_park(store, retry, *ready, outcome, history).await
             }
             Settle::Park {
                 id,
@@ -90,7 +92,7 @@ impl Settle {
                 destination,
                 owner,
                 failure,
-            } => park(store, &id, &raw, &destination, owner, &failure).await,
+            } => park(store, &id, &raw, &destination, owner, &failure, history).await,
         }
     }
 }
@@ -119,8 +121,15 @@ pub async fn release(store: &Store, ids: &[Bson], owner: Uuid, reason: &'static 
 
 /// A send the broker refused: counted, then retried after back-off (the lease is kept until
 /// the next attempt), or parked after `max_attempts`.
-async fn retry_or_park(store: &Store, retry: &RetryConfig, r: Ready, outcome: SendOutcome) {
+async fn retry_or_park(
+    store: &Store,
+    retry: &RetryConfig,
+    r: Ready,
+    outcome: SendOutcome,
+    history: Option<&HistorySink>,
+) {
     let owner = r.lease.owner;
+    let correlation_id = r.record.process_manager_id;
     let destination = r.record.destination.as_str();
     let (reason, error) = match outcome {
         SendOutcome::Nacked => (
@@ -139,7 +148,7 @@ async fn retry_or_park(store: &Store, retry: &RetryConfig, r: Ready, outcome: Se
     {
         Ok(n) => n,
         Err(e) => {
-            tracing::warn!(timeout_id = %r.record.id, destination, %owner, error = %e, "could not count the failed send; releasing");
+            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not count the failed send; releasing");
             release(store, std::slice::from_ref(&r.id), owner, "publish_failed").await;
             return;
         }
@@ -150,7 +159,7 @@ async fn retry_or_park(store: &Store, retry: &RetryConfig, r: Ready, outcome: Se
             error,
             attempts,
         };
-        park(store, &r.id, &r.raw, destination, owner, &failure).await;
+        park(store, &r.id, &r.raw, destination, owner, &failure, history).await;
         return;
     }
     let wait = retry.delay_after(attempts);
@@ -161,19 +170,20 @@ async fn retry_or_park(store: &Store, retry: &RetryConfig, r: Ready, outcome: Se
     {
         Ok(true) => {
             m::retried();
-            tracing::warn!(timeout_id = %r.record.id, destination, %owner, reason = reason.as_str(), attempt = attempts, max_attempts = retry.max_attempts, retry_in = ?wait, "send refused; retrying after back-off");
+            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, reason = reason.as_str(), attempt = attempts, max_attempts = retry.max_attempts, retry_in = ?wait, "send refused; retrying after back-off");
         }
         Ok(false) => {
             m::lease_lost(1);
-            tracing::warn!(timeout_id = %r.record.id, destination, %owner, "send refused and the lease was lost before the retry was scheduled");
+            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, "send refused and the lease was lost before the retry was scheduled");
         }
         Err(e) => {
-            tracing::warn!(timeout_id = %r.record.id, destination, %owner, error = %e, "could not schedule the retry; the record comes back when its lease expires");
+            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not schedule the retry; the record comes back when its lease expires");
         }
     }
 }
 
-/// Moves a record to the parking collection (see [`crate::store::parking`]).
+/// Moves a record to the parking collection (see [`crate::store::parking`]) and, with history on,
+/// records that it was parked and why.
 async fn park(
     store: &Store,
     id: &Bson,
@@ -181,8 +191,19 @@ async fn park(
     destination: &str,
     owner: Uuid,
     failure: &Failure,
+    history: Option<&HistorySink>,
 ) {
     let timeout_id = display_id(id);
+    // The stored record, read as it is: a record parked for its shape may lack any of these.
+    let correlation_id = raw
+        .get(field::PROCESS_MANAGER_ID)
+        .and_then(crate::record::guid::from_bson)
+        .map(|u| u.to_string());
+    let correlation_id = correlation_id.as_deref().unwrap_or("-");
+    let destination = match (destination, raw.get(field::DESTINATION)) {
+        ("", Some(Bson::String(d))) => d.as_str(),
+        (d, _) => d,
+    };
     let Failure {
         reason,
         error,
@@ -196,16 +217,30 @@ async fn park(
         )
         .await
     {
-        Ok(Parked::Moved) => {
-            m::parked(reason.as_str());
-            tracing::warn!(%timeout_id, destination, %owner, reason = reason.as_str(), attempts, error, "record parked");
-        }
-        Ok(Parked::CopiedLeaseLost) => {
-            m::lease_lost(1);
-            tracing::warn!(%timeout_id, destination, %owner, reason = reason.as_str(), "record copied to parking, but its lease was lost: it is also still in Timeouts");
+        Ok(parked) => {
+            if parked == Parked::Moved {
+                m::parked(reason.as_str());
+                tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), attempts, error, "record parked");
+            } else {
+                m::lease_lost(1);
+                tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), "record copied to parking, but its lease was lost: it is also still in Timeouts");
+            }
+            if let Some(sink) = history {
+                let ended = Ended {
+                    event: history::event::PARKED,
+                    timeout_id: timeout_id.clone(),
+                    correlation_id: (correlation_id != "-").then(|| correlation_id.to_string()),
+                    destination: (!destination.is_empty()).then(|| destination.to_string()),
+                    due: TimeoutRecord::decode_due(raw, store.encoding()),
+                    attempts: Some(i64::from(*attempts)),
+                    reason: Some(reason.as_str()),
+                    detail: Some(error),
+                };
+                sink.record(vec![ended.row(store.clock().now())]);
+            }
         }
         Err(e) => {
-            tracing::warn!(%timeout_id, destination, %owner, error = %e, "parking failed; the record stays leased and comes back when its lease expires");
+            tracing::warn!(%timeout_id, correlation_id, destination, %owner, error = %e, "parking failed; the record stays leased and comes back when its lease expires");
         }
     }
 }
@@ -229,7 +264,7 @@ pub async fn remove(
     loop {
         if !lease.is_live(store.clock().now()) {
             for (_, r) in confirmed {
-                tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
+                tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
             }
             m::lease_lost(confirmed.len());
             return;
@@ -307,7 +342,7 @@ async fn account_for_shortfall(
                 .iter()
                 .filter(|(id, _)| still_there.contains(id))
                 .inspect(|(_, r)| {
-                    tracing::warn!(timeout_id = %r.id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
+                    tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
                 })
                 .count();
             m::lease_lost(lost);

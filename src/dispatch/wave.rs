@@ -7,10 +7,12 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 use super::settle::{Failure, Settle};
+use super::summary::WaveSummary;
 use super::{Dispatcher, Done, LinkWork, WaveSignals};
 use crate::dispatch::publisher::{PublishError, SendOutcome};
 use crate::metrics as m;
 use crate::record::message::{self, OutgoingMessage};
+use crate::store::history;
 use crate::store::lease::PrePublish;
 use crate::store::parking::ParkReason;
 
@@ -30,26 +32,45 @@ impl Dispatcher {
         }
     }
 
-    /// A wave's outcomes are known: each record is settled now.
-    pub(super) fn on_wave_sent(&mut self, outcomes: Vec<SendOutcome>, took: Duration) {
+    /// A wave's outcomes are known: each record is settled now, the wave is summarised in
+    /// one line, and the confirmed records go to history (which nothing here waits for).
+    pub(super) fn on_wave_sent(
+        &mut self,
+        outcomes: Vec<SendOutcome>,
+        message_ids: Vec<Option<String>>,
+        took: Duration,
+    ) {
         m::publish_confirm(took);
         self.health.set_up(m::RABBITMQ, self.link_up);
         let confirmed_at = self.store.clock().now();
         let mut failed = Vec::new();
         let mut unconfirmed = false;
-        for (r, outcome) in std::mem::take(&mut self.in_flight)
+        let mut summary = WaveSummary::default();
+        let mut fired = Vec::new();
+        for (i, (r, outcome)) in std::mem::take(&mut self.in_flight)
             .into_iter()
             .zip(outcomes)
+            .enumerate()
         {
             let (id, destination, owner) = (r.record.id, &r.record.destination, r.lease.owner);
+            let correlation_id = r.record.process_manager_id;
             match outcome {
                 SendOutcome::Confirmed => {
-                    tracing::debug!(timeout_id = %id, %destination, %owner, late_ms = confirmed_at.timestamp_millis().saturating_sub(r.record.due.timestamp_millis()), "timeout sent");
+                    let late_ms = confirmed_at
+                        .timestamp_millis()
+                        .saturating_sub(r.record.due.timestamp_millis());
+                    tracing::debug!(timeout_id = %id, %correlation_id, %destination, %owner, late_ms, "timeout sent");
                     m::dispatched(r.record.due, confirmed_at);
                     self.health.progress().made();
+                    summary.confirmed(destination, late_ms);
+                    if self.history.is_some() {
+                        let message_id = message_ids.get(i).cloned().flatten();
+                        fired.push(history::fired(&r.id, &r.record, message_id, confirmed_at));
+                    }
                     self.confirmed.push(r);
                 }
                 SendOutcome::Returned | SendOutcome::Nacked => {
+                    summary.refused += 1;
                     m::publish_failure(outcome.reason());
                     self.settle_queue.push_back(Settle::Refused {
                         ready: Box::new(r),
@@ -57,19 +78,24 @@ impl Dispatcher {
                     });
                 }
                 other => {
+                    summary.failed += 1;
                     if other.outcome_unknown() {
                         // The broker may have it: releasing lets a peer send it again, a
                         // possible duplicate, counted as a lost lease.
-                        tracing::warn!(timeout_id = %id, %destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
+                        tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
                         m::lease_lost(1);
                         unconfirmed = true;
                     } else {
-                        tracing::warn!(timeout_id = %id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
+                        tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
                     }
                     m::publish_failure(other.reason());
                     failed.push((r.id, r.lease));
                 }
             }
+        }
+        summary.log(took);
+        if let Some(sink) = &self.history {
+            sink.record(fired);
         }
         self.release(failed, "publish_failed");
         if unconfirmed {
@@ -202,6 +228,10 @@ impl Dispatcher {
         };
         let stop_waiting = self.confirm_deadline();
         tracing::debug!(records = messages.len(), "publishing a wave");
+        let message_ids: Vec<Option<String>> = messages
+            .iter()
+            .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
+            .collect();
         let alive = CancellationToken::new();
         self.wave = Some(WaveSignals {
             answered: alive.clone(),
@@ -232,6 +262,7 @@ impl Dispatcher {
                 publisher: Box::new(publisher),
                 work: LinkWork::Wave {
                     outcomes,
+                    message_ids,
                     took: started.elapsed(),
                 },
             }

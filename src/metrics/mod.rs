@@ -64,8 +64,10 @@ pub const MONGODB_CALLS: &[&str] = &[
 pub const BACKGROUND_CALLS: &[&str] = &["backlog", "census", "reap", "shapes"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &[
-    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control", "indexes",
+    "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control", "indexes", "history",
 ];
+/// `timeoutd_history_lost_total{reason}`.
+pub const HISTORY_LOST_REASONS: &[&str] = &["write_failed", "backlog"];
 
 /// A series' Prometheus type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -364,7 +366,7 @@ pub const SERIES: &[Series] = &[
         "timeoutd_build_info",
         Gauge,
         None,
-        "Always 1; the version label names the running build.",
+        "Always 1; the version and revision (git commit, or unknown) labels name the running build.",
     ),
     Series {
         start: Start::Zero,

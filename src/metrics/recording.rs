@@ -149,6 +149,16 @@ pub fn rabbitmq_blocked(blocked: bool) {
     metrics::gauge!("timeoutd_rabbitmq_blocked").set(if blocked { 1.0 } else { 0.0 });
 }
 
+/// History rows written.
+pub fn history_written(n: usize) {
+    metrics::counter!("timeoutd_history_written_total").increment(n as u64);
+}
+
+/// History rows lost, by reason (one of [`super::HISTORY_LOST_REASONS`]).
+pub fn history_lost(reason: &'static str, n: usize) {
+    metrics::counter!("timeoutd_history_lost_total", "reason" => reason).increment(n as u64);
+}
+
 /// Whether the daemon runs all its essential tasks.
 pub fn up(up: bool) {
     metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });

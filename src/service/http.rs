@@ -49,7 +49,12 @@ pub fn prometheus() -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics may be empty");
             }
             crate::metrics::describe_all();
-            metrics::gauge!("timeoutd_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+            metrics::gauge!(
+                "timeoutd_build_info",
+                "version" => crate::service::buildinfo::VERSION,
+                "revision" => crate::service::buildinfo::REVISION,
+            )
+            .set(1.0);
             handle
         })
         .clone()

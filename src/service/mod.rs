@@ -3,6 +3,7 @@
 //! (`systemd`) and signals (`shutdown`). It knows nothing of records, MongoDB or RabbitMQ:
 //! the subsystems above report into it.
 
+pub mod buildinfo;
 pub mod health;
 pub mod http;
 pub mod progress;

@@ -11,6 +11,7 @@ pub mod claim;
 pub mod clock;
 pub mod durability;
 pub mod head;
+pub mod history;
 pub mod indexes;
 pub mod lease;
 pub mod parking;
@@ -79,6 +80,8 @@ pub struct Store {
     pub(crate) shapes: Arc<ShapeCache>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
+    /// `[history] keep` is set: fired, parked and cancelled timeouts are recorded.
+    pub(crate) history_on: bool,
     /// The write concern and read preference the URI set, for [`Store::durability_risks`].
     write_concern: Option<mongodb::options::WriteConcern>,
     selection: Option<mongodb::options::SelectionCriteria>,
@@ -140,6 +143,7 @@ impl Store {
             lock_lease: crate::config::DispatchConfig::default().lock_lease,
             shapes: Arc::new(ShapeCache::default()),
             op_timeout: config.operation_timeout,
+            history_on: false,
             write_concern,
             selection,
         })
@@ -151,6 +155,7 @@ impl Store {
     pub fn with_settings(mut self, config: &crate::config::Config) -> Self {
         self.decoding.forward_headers = config.rabbitmq.forward_headers;
         self.lock_lease = config.dispatch.lock_lease;
+        self.history_on = config.history.is_on();
         self
     }
 

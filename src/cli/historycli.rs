@@ -1,0 +1,269 @@
+//! `timeoutd history`: what fired (and what was parked or cancelled), newest first, read from
+//! `<collection>_history` ([`crate::store::history`]); and the rows `cancel` adds there.
+//!
+//! Exit codes as every command: 0 done (no rows included), 1 a runtime failure, 2 bad input.
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document, doc};
+use clap::Args;
+use futures::TryStreamExt;
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::cli::opscli::{dash, parse_destination, parse_instant};
+use crate::operator::control::Actor;
+use crate::operator::listing::show_instant;
+use crate::operator::ops::Outcome;
+use crate::store::history::{Ended, event, field, int};
+use crate::store::{Store, StoreError};
+
+/// What `timeoutd history` selects.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    pub correlation_id: Option<String>,
+    pub timeout_id: Option<String>,
+    pub destination: Option<String>,
+    pub since: Option<DateTime>,
+    pub limit: i64,
+}
+
+/// One row as `timeoutd history` shows it. Every field may be missing or of the wrong type
+/// in a stored row: it is then shown as absent.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Entry {
+    pub event: String,
+    /// RFC 3339.
+    pub at: Option<String>,
+    pub timeout_id: String,
+    pub correlation_id: Option<String>,
+    pub destination: Option<String>,
+    pub due: Option<String>,
+    pub late_ms: Option<i64>,
+    pub attempts: Option<i64>,
+    pub message_id: Option<String>,
+    pub instance: Option<String>,
+    pub reason: Option<String>,
+    pub detail: Option<String>,
+}
+
+fn text(d: &Document, key: &str) -> Option<String> {
+    match d.get(key) {
+        Some(Bson::String(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn instant(d: &Document, key: &str) -> Option<String> {
+    match d.get(key) {
+        Some(Bson::DateTime(t)) => show_instant(*t),
+        _ => None,
+    }
+}
+
+impl Entry {
+    pub fn from_doc(d: &Document) -> Self {
+        Self {
+            event: text(d, field::EVENT).unwrap_or_else(|| "-".into()),
+            at: instant(d, field::AT),
+            timeout_id: text(d, field::TIMEOUT_ID).unwrap_or_else(|| "-".into()),
+            correlation_id: text(d, field::CORRELATION_ID),
+            destination: text(d, field::DESTINATION),
+            due: instant(d, field::DUE),
+            late_ms: int(d, field::LATE_MS),
+            attempts: int(d, field::ATTEMPTS),
+            message_id: text(d, field::MESSAGE_ID),
+            instance: text(d, field::INSTANCE),
+            reason: text(d, field::REASON),
+            detail: text(d, field::DETAIL),
+        }
+    }
+}
+
+impl Store {
+    /// Rows of `timeoutd history`, newest first.
+    pub async fn read_history(&self, f: &Filter) -> Result<Vec<Entry>, StoreError> {
+        let mut filter = Document::new();
+        for (key, value) in [
+            (field::CORRELATION_ID, &f.correlation_id),
+            (field::TIMEOUT_ID, &f.timeout_id),
+            (field::DESTINATION, &f.destination),
+        ] {
+            if let Some(v) = value {
+                filter.insert(key, v);
+            }
+        }
+        if let Some(since) = f.since {
+            filter.insert(field::AT, doc! { "$gte": since });
+        }
+        let docs: Vec<Document> = self
+            .query(async {
+                self.history()
+                    .find(filter)
+                    .sort(doc! { field::AT: -1 })
+                    .limit(f.limit)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        Ok(docs.iter().map(Entry::from_doc).collect())
+    }
+}
+
+/// `--since`: an instant, or how far back from now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Since {
+    At(DateTime),
+    Ago(Duration),
+}
+
+/// `2026-11-23T17:00:00Z` (RFC 3339), or a duration back from now (server clock): `2h`.
+pub fn parse_since(s: &str) -> Result<Since, String> {
+    if let Ok(d) = humantime::parse_duration(s.trim()) {
+        return Ok(Since::Ago(d));
+    }
+    parse_instant(s).map(Since::At).map_err(|_| {
+        format!("`{s}` is neither an instant (RFC 3339, e.g. 2026-11-23T17:00:00Z) nor a duration back from now (e.g. 2h)")
+    })
+}
+
+/// A record id as `list` shows it: a GUID in any case or brace style is normalised.
+fn parse_timeout_id(s: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("a timeout id must not be empty".into());
+    }
+    Ok(Uuid::parse_str(t).map_or_else(|_| t.to_string(), |u| u.to_string()))
+}
+
+/// `timeoutd history`.
+#[derive(Debug, Args)]
+pub struct HistoryArgs {
+    /// Only this saga's timeouts (its ProcessManagerId, the message's CorrelationId).
+    #[arg(long, value_name = "UUID")]
+    pub correlation_id: Option<Uuid>,
+    /// Only this record (its id as `list` shows it).
+    #[arg(long, value_name = "ID", value_parser = parse_timeout_id)]
+    pub timeout_id: Option<String>,
+    /// Only those sent to this queue.
+    #[arg(long, value_parser = parse_destination)]
+    pub destination: Option<String>,
+    /// Only since this instant (RFC 3339), or this long ago (e.g. 2h).
+    #[arg(long, value_name = "INSTANT|DURATION", value_parser = parse_since)]
+    pub since: Option<Since>,
+    /// Most rows to show, newest first (at most 10000).
+    #[arg(long, default_value_t = crate::cli::opscli::DEFAULT_LIMIT, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub limit: u32,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn print(e: &Entry) {
+    let mut line = format!(
+        "{}  {:<9} timeout_id={}  correlation_id={}  destination={}  due={}",
+        dash(&e.at),
+        e.event,
+        e.timeout_id,
+        dash(&e.correlation_id),
+        dash(&e.destination),
+        dash(&e.due),
+    );
+    let mut add = |k: &str, v: Option<String>| {
+        if let Some(v) = v {
+            line.push_str(&format!("  {k}={v}"));
+        }
+    };
+    add("late_ms", e.late_ms.map(|n| n.to_string()));
+    add("attempts", e.attempts.map(|n| n.to_string()));
+    add("message_id", e.message_id.clone());
+    add("instance", e.instance.clone());
+    add("reason", e.reason.clone());
+    add("detail", e.detail.clone());
+    println!("{line}");
+}
+
+/// `timeoutd history`.
+pub async fn history(store: &Store, a: HistoryArgs) -> anyhow::Result<()> {
+    if !store.history_on {
+        tracing::warn!(
+            "[history] keep is 0s (off) in this configuration: this instance records nothing; showing what is stored"
+        );
+    }
+    let since = a.since.map(|s| match s {
+        Since::At(t) => t,
+        Since::Ago(d) => DateTime::from_millis(
+            store
+                .clock()
+                .now()
+                .timestamp_millis()
+                .saturating_sub(i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+        ),
+    });
+    let filter = Filter {
+        correlation_id: a.correlation_id.map(|u| u.to_string()),
+        timeout_id: a.timeout_id,
+        destination: a.destination,
+        since,
+        limit: i64::from(a.limit),
+    };
+    let rows = store
+        .bounded("read history", store.read_history(&filter))
+        .await?;
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+    } else {
+        for r in &rows {
+            print(r);
+        }
+        let more = if rows.len() >= a.limit as usize {
+            " (limit reached: --limit or a filter shows more)"
+        } else {
+            ""
+        };
+        println!("{} shown{more}", rows.len());
+    }
+    Ok(())
+}
+
+/// With history on, records the records `cancel` deleted, with the operator's reason and who
+/// ran it. A failed write is reported, and the cancel stands.
+pub async fn record_cancelled(store: &Store, outcomes: &[Outcome], reason: Option<&str>) {
+    if !store.history_on {
+        return;
+    }
+    let by = Actor::current().label();
+    let at = store.clock().now();
+    let rows: Vec<_> = outcomes
+        .iter()
+        .filter(|o| o.outcome == "cancelled")
+        .map(|o| {
+            Ended {
+                event: event::CANCELLED,
+                timeout_id: o.record.id.clone(),
+                correlation_id: o.record.correlation_id.clone(),
+                destination: o.record.destination.clone(),
+                due: o
+                    .record
+                    .due
+                    .as_deref()
+                    .and_then(|d| DateTime::parse_rfc3339_str(d).ok()),
+                attempts: None,
+                reason,
+                detail: Some(&by),
+            }
+            .row(at)
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let n = rows.len();
+    if let Err(e) = store
+        .bounded("write history", store.write_history(rows))
+        .await
+    {
+        tracing::warn!(rows = n, error = %e, "the records were cancelled, but the history rows saying so could not be written");
+    }
+}

@@ -1,0 +1,290 @@
+//! What fired, opt-in: `[history] keep = "7d"` records each fired timeout in
+//! `<collection>_history` (never in `Timeouts`), with a TTL index on the send time, and
+//! records parked and cancelled ones there too, with what was done and why.
+//!
+//! The daemon never waits for history: the dispatch loop hands each confirmed wave's rows to
+//! [`HistorySink::record`], which queues them for [`write`], a task of its own that writes
+//! them with one `insertMany` per wave (waves that queued up meanwhile go into the same
+//! write), each under `[mongodb] operation_timeout`. The removal of the sent records does not
+//! wait for it, and a failed write loses rows, never a record: it is counted
+//! (`timeoutd_history_lost_total{reason="write_failed"}`) and logged. When the database is so
+//! slow that [`QUEUED_WAVES`] waves wait, further rows are dropped and counted
+//! (`reason="backlog"`) rather than held in memory.
+
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use mongodb::options::IndexOptions;
+use mongodb::{Collection, IndexModel};
+use tokio::sync::mpsc;
+
+pub use crate::config::HistoryConfig;
+use crate::metrics as m;
+use crate::store::{Store, StoreError};
+
+/// Waves waiting for the writer at most; beyond that rows are dropped and counted.
+pub const QUEUED_WAVES: usize = 64;
+/// Most rows one write carries (queued waves are joined up to this).
+pub const ROWS_PER_WRITE: usize = 10_000;
+/// The TTL index on [`field::AT`].
+pub const TTL_INDEX: &str = "timeoutd_history_ttl";
+/// Fields of a history row.
+pub mod field {
+    /// `fired`, `parked` or `cancelled`.
+    pub const EVENT: &str = "event";
+    /// When it happened (server clock): the broker's confirm for `fired`. The TTL key.
+    pub const AT: &str = "at";
+    /// The record's id as `list` shows it.
+    pub const TIMEOUT_ID: &str = "timeout_id";
+    /// The record's `ProcessManagerId`, the message's CorrelationId.
+    pub const CORRELATION_ID: &str = "correlation_id";
+    pub const DESTINATION: &str = "destination";
+    /// The record's due instant.
+    pub const DUE: &str = "due";
+    /// `at` minus `due`, in milliseconds.
+    pub const LATE_MS: &str = "late_ms";
+    /// Sends tried: 1 plus the failed sends counted before.
+    pub const ATTEMPTS: &str = "attempts";
+    pub const MESSAGE_ID: &str = "message_id";
+    /// The instance that did it ([`crate::service::buildinfo::instance`]).
+    pub const INSTANCE: &str = "instance";
+    /// Parked: the park reason; cancelled: the operator's `--reason`.
+    pub const REASON: &str = "reason";
+    /// Parked: the error; cancelled: who ran it (`user@host`).
+    pub const DETAIL: &str = "detail";
+}
+
+/// The event of a history row.
+pub mod event {
+    pub const FIRED: &str = "fired";
+    pub const PARKED: &str = "parked";
+    pub const CANCELLED: &str = "cancelled";
+}
+
+/// One row waiting for the writer; `attempts_of` is the timeout's `_id` when its count of
+/// failed sends is still to be looked up (fired rows).
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub doc: Document,
+    pub attempts_of: Option<Bson>,
+}
+
+/// A fired timeout, the broker having confirmed it at `at` (server clock).
+pub fn fired(
+    id: &Bson,
+    record: &crate::record::TimeoutRecord,
+    message_id: Option<String>,
+    at: DateTime,
+) -> Row {
+    let late_ms = at
+        .timestamp_millis()
+        .saturating_sub(record.due.timestamp_millis());
+    Row {
+        doc: doc! {
+            field::EVENT: event::FIRED,
+            field::AT: at,
+            field::TIMEOUT_ID: crate::record::display_id(id),
+            field::CORRELATION_ID: record.process_manager_id.to_string(),
+            field::DESTINATION: &record.destination,
+            field::DUE: record.due,
+            field::LATE_MS: late_ms,
+            field::ATTEMPTS: 1_i64,
+            field::MESSAGE_ID: message_id.map_or(Bson::Null, Bson::String),
+            field::INSTANCE: crate::service::buildinfo::instance(),
+        },
+        attempts_of: Some(id.clone()),
+    }
+}
+
+/// Anything else that ended a timeout: parked or cancelled, with why.
+pub struct Ended<'a> {
+    pub event: &'static str,
+    pub timeout_id: String,
+    pub correlation_id: Option<String>,
+    pub destination: Option<String>,
+    pub due: Option<DateTime>,
+    pub attempts: Option<i64>,
+    pub reason: Option<&'a str>,
+    pub detail: Option<&'a str>,
+}
+
+impl Ended<'_> {
+    pub fn row(&self, at: DateTime) -> Row {
+        let opt = |v: Option<&str>| v.map_or(Bson::Null, |s| Bson::String(s.to_string()));
+        Row {
+            doc: doc! {
+                field::EVENT: self.event,
+                field::AT: at,
+                field::TIMEOUT_ID: &self.timeout_id,
+                field::CORRELATION_ID: opt(self.correlation_id.as_deref()),
+                field::DESTINATION: opt(self.destination.as_deref()),
+                field::DUE: self.due.map_or(Bson::Null, Bson::DateTime),
+                field::ATTEMPTS: self.attempts.map_or(Bson::Null, Bson::Int64),
+                field::INSTANCE: crate::service::buildinfo::instance(),
+                field::REASON: opt(self.reason),
+                field::DETAIL: opt(self.detail),
+            },
+            attempts_of: None,
+        }
+    }
+}
+
+/// Where the dispatch loop hands history rows; cheap to clone. Never waits.
+#[derive(Debug, Clone)]
+pub struct HistorySink {
+    tx: mpsc::Sender<Vec<Row>>,
+}
+
+impl HistorySink {
+    /// Queues one wave's rows for the writer; drops and counts them when it is backlogged.
+    pub fn record(&self, rows: Vec<Row>) {
+        if rows.is_empty() {
+            return;
+        }
+        let n = rows.len();
+        if let Err(e) = self.tx.try_send(rows) {
+            m::history_lost("backlog", n);
+            let why = match e {
+                mpsc::error::TrySendError::Full(_) => "the history writer is backlogged",
+                mpsc::error::TrySendError::Closed(_) => "the history writer has stopped",
+            };
+            tracing::warn!(
+                rows = n,
+                "{why}: these history rows are dropped (the timeouts themselves are unaffected)"
+            );
+        }
+    }
+}
+
+/// A sink and the receiving end for [`write`].
+pub fn channel() -> (HistorySink, mpsc::Receiver<Vec<Row>>) {
+    let (tx, rx) = mpsc::channel(QUEUED_WAVES);
+    (HistorySink { tx }, rx)
+}
+
+/// The writer: one write per wave (or per set of waves that queued meanwhile), until every
+/// sink is gone (the dispatch loop ended).
+pub async fn write(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
+    while let Some(mut rows) = rx.recv().await {
+        while rows.len() < ROWS_PER_WRITE
+            && let Ok(more) = rx.try_recv()
+        {
+            rows.extend(more);
+        }
+        let n = rows.len();
+        match store
+            .bounded("write history", store.write_history(rows))
+            .await
+        {
+            Ok(()) => m::history_written(n),
+            Err(e) => {
+                m::history_lost("write_failed", n);
+                tracing::warn!(rows = n, error = %e, "could not write history rows; the timeouts themselves were sent and removed");
+            }
+        }
+    }
+}
+
+/// An integer field of a stored row, of either width.
+pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
+    match d.get(key) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    }
+}
+
+impl Store {
+    /// The history collection: `<collection>_history`.
+    pub fn history(&self) -> Collection<Document> {
+        self.db.collection(&format!("{}_history", self.coll.name()))
+    }
+
+    /// The TTL index on the send time (`keep`; an existing index with another expiry is
+    /// changed with `collMod`) and the indexes `timeoutd history` reads by.
+    pub async fn ensure_history_indexes(&self, keep: Duration) -> Result<(), StoreError> {
+        let coll = self.history();
+        let ttl = IndexModel::builder()
+            .keys(doc! { field::AT: 1 })
+            .options(
+                IndexOptions::builder()
+                    .name(TTL_INDEX.to_string())
+                    .expire_after(keep)
+                    .build(),
+            )
+            .build();
+        if let Err(e) = self.query(coll.create_index(ttl)).await {
+            // Most likely the index exists with another `keep`: change it in place.
+            let secs = i64::try_from(keep.as_secs()).unwrap_or(i64::MAX);
+            let change = doc! {
+                "collMod": coll.name(),
+                "index": { "name": TTL_INDEX, "expireAfterSeconds": secs },
+            };
+            self.query(self.db.run_command(change))
+                .await
+                .map_err(|_| e)?;
+        }
+        for (name, keys) in [
+            (
+                "timeoutd_history_correlation",
+                doc! { field::CORRELATION_ID: 1, field::AT: -1 },
+            ),
+            ("timeoutd_history_timeout", doc! { field::TIMEOUT_ID: 1 }),
+        ] {
+            let index = IndexModel::builder()
+                .keys(keys)
+                .options(IndexOptions::builder().name(name.to_string()).build())
+                .build();
+            self.query(coll.create_index(index)).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes rows, their attempt counts looked up first (a failed look-up leaves them at
+    /// 1: the rows matter more than the count).
+    pub async fn write_history(&self, mut rows: Vec<Row>) -> Result<(), StoreError> {
+        // Tests only: a history write that fails.
+        #[cfg(feature = "failpoints")]
+        if fail::eval("history-write", |_| ()).is_some() {
+            return Err(crate::deadline::Elapsed {
+                what: "write history",
+                limit: Duration::ZERO,
+            }
+            .into());
+        }
+        let ids: Vec<Bson> = rows.iter().filter_map(|r| r.attempts_of.clone()).collect();
+        if !ids.is_empty() {
+            let counted: Result<Vec<Document>, StoreError> = self
+                .query(async {
+                    self.attempts
+                        .find(doc! { "_id": { "$in": &ids } })
+                        .projection(doc! { "attempts": 1 })
+                        .await?
+                        .try_collect()
+                        .await
+                })
+                .await;
+            match counted {
+                Ok(counts) => {
+                    for c in &counts {
+                        let failed = int(c, "attempts").unwrap_or(0).max(0);
+                        for r in rows
+                            .iter_mut()
+                            .filter(|r| r.attempts_of.as_ref() == c.get("_id"))
+                        {
+                            r.doc.insert(field::ATTEMPTS, failed.saturating_add(1));
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not read failed-send counts for history")
+                }
+            }
+        }
+        let docs: Vec<Document> = rows.into_iter().map(|r| r.doc).collect();
+        self.query(self.history().insert_many(docs).ordered(false))
+            .await?;
+        Ok(())
+    }
+}
