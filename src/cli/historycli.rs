@@ -102,6 +102,7 @@ impl Store {
                     .find(filter)
                     .sort(doc! { field::AT: -1 })
                     .limit(f.limit)
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await

@@ -231,7 +231,8 @@ impl Store {
                 .coll
                 .find(doc! { "$and": all })
                 .sort(shape.sort())
-                .limit(i64::from(limit));
+                .limit(i64::from(limit))
+                .max_time(self.server_limit());
             async move { find.await?.try_collect::<Vec<Document>>().await }
         });
         let found = self.query(futures::future::try_join_all(reads)).await?;
@@ -277,6 +278,7 @@ impl Store {
                     .find(doc! {})
                     .projection(doc! { field::ID: 1 })
                     .limit(i64::from(MAX_LIMIT))
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await
@@ -295,6 +297,7 @@ impl Store {
                 self.attempts
                     .find(doc! { field::ID: { "$in": ids } })
                     .projection(doc! { field::ID: 1 })
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await
@@ -327,6 +330,7 @@ impl Store {
                     .find(doc! { "$and": clauses })
                     .sort(doc! { PARKED_AT: 1 })
                     .limit(i64::from(limit))
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await

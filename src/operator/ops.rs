@@ -102,6 +102,7 @@ impl Store {
                 self.coll
                     .find(selector.filter())
                     .limit(MAX_SELECTED)
+                    .max_time(self.server_limit())
                     .await?
                     .try_collect()
                     .await
@@ -235,7 +236,11 @@ impl Store {
                 continue;
             }
             let current = self
-                .query(self.coll.find_one(doc! { field::ID: id }))
+                .query(
+                    self.coll
+                        .find_one(doc! { field::ID: id })
+                        .max_time(self.server_limit()),
+                )
                 .await?;
             outcomes.push(match current {
                 Some(c) => outcome(self, &c, now, "left_leased", None),
@@ -249,6 +254,7 @@ impl Store {
     async fn existing_raw(&self, ids: &[Bson]) -> Result<Vec<Document>, mongodb::error::Error> {
         self.coll
             .find(doc! { field::ID: { "$in": ids } })
+            .max_time(self.server_limit())
             .await?
             .try_collect()
             .await

@@ -30,7 +30,11 @@ use crate::config::Config;
 /// `operation_timeout` (25 s with the defaults).
 pub fn stall_after(config: &Config) -> Duration {
     let d = &config.dispatch;
-    d.poll_interval * 3 + d.lease_safety_margin + config.mongodb.operation_timeout * 2
+    // Saturating: a configuration with absurd durations must not panic here.
+    d.poll_interval
+        .saturating_mul(3)
+        .saturating_add(d.lease_safety_margin)
+        .saturating_add(config.mongodb.operation_timeout.saturating_mul(2))
 }
 
 /// What this instance knows of its own progress; one per daemon, in [`crate::service::health::Health`].

@@ -260,6 +260,7 @@ impl Store {
                     self.attempts
                         .find(doc! { "_id": { "$in": &ids } })
                         .projection(doc! { "attempts": 1 })
+                        .max_time(self.server_limit())
                         .await?
                         .try_collect()
                         .await

@@ -200,7 +200,7 @@ impl Store {
             self.parked.clone(),
             self.attempts.clone(),
             self.clock.clone(),
-            self.op_timeout,
+            self.server_limit(),
         )
     }
 

@@ -119,7 +119,7 @@ pub struct Parking {
     parked: Collection<Document>,
     attempts: Collection<Document>,
     clock: ServerClock,
-    /// The `maxTimeMS` of its counts (`[mongodb] operation_timeout`).
+    /// The `maxTimeMS` of its reads ([`crate::store::Store::server_limit`]).
     server_limit: Duration,
 }
 
@@ -250,6 +250,7 @@ impl Parking {
             .parked
             .find(doc! {})
             .sort(doc! { parked_field::PARKED_AT: 1 })
+            .max_time(self.server_limit)
             .await?
             .try_collect()
             .await?;
@@ -282,6 +283,7 @@ impl Parking {
             if self
                 .parked
                 .find_one(doc! { field::ID: id.clone() })
+                .max_time(self.server_limit)
                 .await?
                 .is_some()
             {
@@ -300,7 +302,12 @@ impl Parking {
     /// resets its count. The insert comes first, so a crash leaves two copies, not none.
     /// `None` if no such record is parked.
     pub async fn requeue(&self, id: &Bson) -> Result<Option<Requeued>, StoreError> {
-        let Some(parked) = self.parked.find_one(doc! { field::ID: id.clone() }).await? else {
+        let Some(parked) = self
+            .parked
+            .find_one(doc! { field::ID: id.clone() })
+            .max_time(self.server_limit)
+            .await?
+        else {
             return Ok(None);
         };
         self.requeue_parked(&parked).await.map(Some)
@@ -350,6 +357,7 @@ impl Parking {
             .find(doc! {})
             .sort(doc! { parked_field::PARKED_AT: 1 })
             .projection(doc! { field::ID: 1 })
+            .max_time(self.server_limit)
             .await?
             .try_collect()
             .await?;
