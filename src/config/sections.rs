@@ -228,7 +228,8 @@ pub struct DestinationLimit {
 impl DispatchConfig {
     /// The effective look-ahead.
     pub fn look_ahead(&self) -> Duration {
-        self.look_ahead.unwrap_or(self.poll_interval * 2)
+        self.look_ahead
+            .unwrap_or(self.poll_interval.saturating_mul(2))
     }
 }
 

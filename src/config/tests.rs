@@ -151,6 +151,11 @@ fn every_other_rule_names_its_key() {
         ("[history]\nkeep = \"500ms\"", "history.keep"),
         ("[history]\nkeep = \"100years\"", "history.keep"),
         ("[history]\nbogus = 1", "history.bogus"),
+        // Durations that parse but whose sum (the lease check) overflows: an error, no panic.
+        (
+            "[dispatch]\npoll_interval = \"500000000000years\"",
+            "dispatch.lock_lease",
+        ),
         ("[log]\nlevel = \"timeoutd=loud\"", "log.level"),
         ("[http]\nlisten = \"127.0.0.1:99999\"", "http.listen"),
     ];

@@ -91,7 +91,13 @@ impl Config {
         if r.max_attempts == 0 {
             bad("retry.max_attempts", "must be at least 1".into());
         }
-        let needed = d.lease_safety_margin + d.poll_interval + d.look_ahead();
+        // Checked: durations from the file can be absurd (`100000000years`); a sum past the
+        // largest Duration is simply more than any lease.
+        let needed = d
+            .lease_safety_margin
+            .checked_add(d.poll_interval)
+            .and_then(|s| s.checked_add(d.look_ahead()))
+            .unwrap_or(Duration::MAX);
         if d.lock_lease <= needed {
             bad(
                 "dispatch.lock_lease",

@@ -406,6 +406,23 @@ pub const SERIES: &[Series] = &[
         HELD_BACK_REASONS,
         Start::Zero,
     ),
+    series(
+        "timeoutd_history_written_total",
+        Counter,
+        Some(Unit::Count),
+        "History rows written ([history] keep): fired, parked and cancelled timeouts.",
+    ),
+    labelled(
+        series(
+            "timeoutd_history_lost_total",
+            Counter,
+            Some(Unit::Count),
+            "History rows not written, by reason: write_failed (the write failed or timed out), backlog (the writer was too far behind); the timeouts themselves were unaffected.",
+        ),
+        "reason",
+        HISTORY_LOST_REASONS,
+        Start::Zero,
+    ),
     Series {
         start: Start::Zero,
         ..series(
