@@ -216,39 +216,48 @@ impl Store {
     /// Names each record of [`odd_locked_filter`] in the logs once (at most
     /// [`NAMED_PER_CENSUS`] per census), with the value it holds.
     async fn name_odd_locked(&self, state: &CensusState) -> Result<(), StoreError> {
-        let docs: Vec<Document> = self
-            .query(async {
-                self.coll
-                    .find(odd_locked_filter())
-                    .projection(doc! { field::ID: 1, field::LOCKED: 1, field::DESTINATION: 1 })
-                    .limit(NAMED_PER_CENSUS)
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
-            .await?;
-        let mut named = locked(&state.named);
-        for d in docs {
-            let id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
-            if named.len() < 100_000 && named.insert(format!("locked:{}", key_of(&id))) {
-                let value = d.get(field::LOCKED).map(|t| t.to_string());
-                tracing::warn!(
-                    timeout_id = %display_id(&id),
-                    locked = value.as_deref().unwrap_or("(missing)"),
-                    "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
-                );
-            }
+        for (id, value) in self
+            .not_yet_named(state, odd_locked_filter(), field::LOCKED, "locked:")
+            .await?
+        {
+            tracing::warn!(
+                timeout_id = %display_id(&id),
+                locked = value.as_deref().unwrap_or("(missing)"),
+                "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
+            );
         }
         Ok(())
     }
 
     async fn name_unschedulable(&self, state: &CensusState) -> Result<(), StoreError> {
+        for (id, time) in self
+            .not_yet_named(state, self.unschedulable_filter(), field::TIME, "")
+            .await?
+        {
+            tracing::warn!(
+                timeout_id = %display_id(&id),
+                time = time.as_deref().unwrap_or("(missing)"),
+                time_encoding = ?self.encoding,
+                "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
+            );
+        }
+        Ok(())
+    }
+
+    /// The records of `filter` (at most [`NAMED_PER_CENSUS`]) not yet named in the logs under
+    /// `kind`, each with its `shown` field as text; they count as named from now on.
+    async fn not_yet_named(
+        &self,
+        state: &CensusState,
+        filter: Document,
+        shown: &str,
+        kind: &str,
+    ) -> Result<Vec<(Bson, Option<String>)>, StoreError> {
         let docs: Vec<Document> = self
             .query(async {
                 self.coll
-                    .find(self.unschedulable_filter())
-                    .projection(doc! { field::ID: 1, field::TIME: 1, field::DESTINATION: 1 })
+                    .find(filter)
+                    .projection(doc! { field::ID: 1, shown: 1, field::DESTINATION: 1 })
                     .limit(NAMED_PER_CENSUS)
                     .max_time(self.server_limit())
                     .await?
@@ -257,19 +266,14 @@ impl Store {
             })
             .await?;
         let mut named = locked(&state.named);
+        let mut fresh = Vec::new();
         for d in docs {
             let id = d.get(field::ID).cloned().unwrap_or(Bson::Null);
-            if named.len() < 100_000 && named.insert(key_of(&id)) {
-                let time = d.get(field::TIME).map(|t| t.to_string());
-                tracing::warn!(
-                    timeout_id = %display_id(&id),
-                    time = time.as_deref().unwrap_or("(missing)"),
-                    time_encoding = ?self.encoding,
-                    "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
-                );
+            if named.len() < 100_000 && named.insert(format!("{kind}{}", key_of(&id))) {
+                fresh.push((id, d.get(shown).map(|v| v.to_string())));
             }
         }
-        Ok(())
+        Ok(fresh)
     }
 
     /// Frees the records this instance has seen locked without a lease expiry for at least
