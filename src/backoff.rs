@@ -20,6 +20,7 @@ impl Backoff {
             .with_max_delay(cap)
             .with_factor(2.0)
             .with_jitter()
+            .with_jitter_seed(crate::host::random_range(0..u64::MAX))
             .without_max_times();
         Self {
             current: builder.build(),

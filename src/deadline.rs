@@ -8,7 +8,8 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// A call that did not finish within its deadline.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -5,8 +5,9 @@
 //!
 //! Subsystems, lowest layer first (a module uses only those before it; ARCHITECTURE.md has
 //! the code map and one record's path through them):
-//! - [`redact`], [`deadline`], [`backoff`], [`metrics`]: credentials out of every output, the
-//!   bound on every call, retry back-off, every metric series;
+//! - [`redact`], [`deadline`], [`backoff`], [`metrics`], [`host`]: credentials out of every
+//!   output, the bound on every call, retry back-off, every metric series, the wall clock and
+//!   randomness;
 //! - [`config`], the TOML file, environment overrides and validation;
 //! - [`service`], the process shell: health, supervision, HTTP, systemd, signals;
 //! - [`record`], the ServiceConnect document, GUIDs, the `Time` shapes, the wire message;
@@ -21,6 +22,7 @@ pub mod cli;
 pub mod config;
 pub mod deadline;
 pub mod dispatch;
+pub mod host;
 pub mod maintenance;
 pub mod metrics;
 pub mod operator;

@@ -6,7 +6,7 @@
 //! The text output stays valid TOML: what is not configuration is written as `#` comments.
 
 use std::path::Path;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use bson::doc;
 use serde::Serialize;

@@ -5,7 +5,8 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
@@ -279,7 +280,7 @@ async fn start(
     tasks.spawn("dispatch", dispatcher.run());
     m::up(true);
     let (health, shutdown) = (health.clone(), shutdown.clone());
-    tokio::spawn(async move {
+    crate::host::spawn(async move {
         shutdown.cancelled().await;
         health.start_draining();
         systemd::stopping().await;

@@ -253,7 +253,7 @@ async fn execute(
         }
         Command::Run => {
             let token = CancellationToken::new();
-            let signals = tokio::spawn(shutdown::on_signal(token.clone()));
+            let signals = crate::host::spawn(shutdown::on_signal(token.clone()));
             let result = daemon::run(config, token.clone()).await;
             token.cancel();
             let _ = signals.await;
@@ -272,7 +272,7 @@ async fn execute(
                     header_doc.insert(k, v);
                 }
                 let record = TimeoutRecord {
-                    id: Uuid::new_v4(),
+                    id: crate::host::uuid(),
                     destination,
                     process_manager_id: correlation_id,
                     due: server_time_in(store.clock(), delay),

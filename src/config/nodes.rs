@@ -163,7 +163,7 @@ impl Nodes {
     /// The nodes of `uri`, starting at a random one.
     pub fn random_start(uri: &str) -> Self {
         let n = split(uri).len().max(1);
-        Self::new(uri, rand::random_range(0..n))
+        Self::new(uri, crate::host::random_range(0..n as u64) as usize)
     }
 
     pub fn len(&self) -> usize {

@@ -2,7 +2,8 @@
 //! it brings back (parked at once, or held for their instant).
 
 use std::panic::AssertUnwindSafe;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
@@ -128,7 +129,7 @@ impl Dispatcher {
         let (batch, lease, ahead) = (d.batch_size, d.lock_lease, d.look_ahead());
         let excluded = self.excluded_destinations();
         let gate = self.proof_gate();
-        self.tasks.spawn(async move {
+        crate::host::spawn_in(&mut self.tasks, async move {
             let started = Instant::now();
             let mut waited = Duration::ZERO;
             // Tests only: a slow claim (a wake-up must not be lost while it runs).
@@ -227,7 +228,7 @@ mod tests {
     #[tokio::test]
     async fn a_claim_takes_once_the_wave_is_answered() {
         let (gate, answered, _over, _shutdown) = gate();
-        let waiting = tokio::spawn(async move { gate.passed().await });
+        let waiting = crate::host::spawn(async move { gate.passed().await });
         answered.cancel();
         assert!(waiting.await.unwrap());
     }
@@ -235,7 +236,7 @@ mod tests {
     #[tokio::test]
     async fn a_wave_that_ends_unanswered_makes_the_claim_take_nothing() {
         let (gate, _answered, over, _shutdown) = gate();
-        let waiting = tokio::spawn(async move { gate.passed().await });
+        let waiting = crate::host::spawn(async move { gate.passed().await });
         over.cancel();
         assert!(!waiting.await.unwrap());
     }
@@ -251,7 +252,7 @@ mod tests {
     #[tokio::test]
     async fn shutdown_makes_the_claim_take_nothing() {
         let (gate, _answered, _over, shutdown) = gate();
-        let waiting = tokio::spawn(async move { gate.passed().await });
+        let waiting = crate::host::spawn(async move { gate.passed().await });
         shutdown.cancel();
         assert!(!waiting.await.unwrap());
     }

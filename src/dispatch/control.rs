@@ -3,7 +3,8 @@
 //! (a record that finds no token waits, held, until one comes; see [`crate::dispatch::ratelimit`]).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use super::{Dispatcher, Ready};
 use crate::metrics as m;

@@ -2,7 +2,8 @@
 //! ([`Held`]), and when the next claim runs ([`ClaimSchedule`]). Plain data, no I/O.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::{Bson, DateTime, Document};
 

@@ -29,6 +29,7 @@
 mod claim;
 mod control;
 mod held;
+pub mod link;
 pub mod publisher;
 pub mod ratelimit;
 mod settle;
@@ -39,7 +40,8 @@ mod wave;
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::Bson;
 use futures::FutureExt;
@@ -438,7 +440,7 @@ impl Dispatcher {
                     self.shutdown.clone(),
                 );
                 self.removals += 1;
-                self.tasks.spawn(async move {
+                crate::host::spawn_in(&mut self.tasks, async move {
                     let removal = settle::remove(&store, &health, &records, &lease, &shutdown);
                     if AssertUnwindSafe(removal).catch_unwind().await.is_err() {
                         tracing::error!(%lease.owner, "removing sent records panicked; they come back when the lease expires");
@@ -453,7 +455,7 @@ impl Dispatcher {
             let (store, retry) = (self.store.clone(), self.config.retry.clone());
             let history = self.history.clone();
             self.settling += 1;
-            self.tasks.spawn(async move {
+            crate::host::spawn_in(&mut self.tasks, async move {
                 if AssertUnwindSafe(work.run(&store, &retry, history.as_ref()))
                     .catch_unwind()
                     .await

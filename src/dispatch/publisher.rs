@@ -385,7 +385,7 @@ impl Publisher {
             // queue without its majority) must not get the next wave.
             self.nodes.link_failed();
             self.watch.set(None);
-            tokio::spawn(async move {
+            crate::host::spawn(async move {
                 let close = conn.close(320, "timeoutd: link lost or withheld confirms".into());
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(5), close).await;
             });

@@ -11,7 +11,8 @@
 //! `n` instances sending to one queue can together send `n` times its limit.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use crate::config::DispatchConfig;
 use crate::operator::control::Ramp;

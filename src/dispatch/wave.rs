@@ -2,7 +2,8 @@
 //! a time, by a task that owns the link for the length of the wave), and settling each record
 //! of a wave as soon as the wave's outcomes are known.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
@@ -137,7 +138,7 @@ impl Dispatcher {
             return;
         };
         let shutdown = self.shutdown.clone();
-        let handle = self.tasks.spawn(async move {
+        let handle = crate::host::spawn_in(&mut self.tasks, async move {
             let result = tokio::select! {
                 r = publisher.connect() => r,
                 _ = shutdown.cancelled() => Ok(()),
@@ -185,7 +186,7 @@ impl Dispatcher {
     /// parked, the rest published pipelined by a task that owns the link.
     pub(super) fn start_wave(&mut self, now: bson::DateTime) {
         let margin = self.config.dispatch.lease_safety_margin;
-        let sent_at = SystemTime::now();
+        let sent_at = crate::host::wall_now();
         let mut too_late = Vec::new();
         let mut messages: Vec<OutgoingMessage> = Vec::new();
         let due = self.held.take_due(now);
@@ -238,7 +239,7 @@ impl Dispatcher {
             over: stop_waiting.clone(),
         });
         let built_for = self.frame_max;
-        let handle = self.tasks.spawn(async move {
+        let handle = crate::host::spawn_in(&mut self.tasks, async move {
             let started = Instant::now();
             let outcomes = match publisher.connect().await {
                 // The link dropped since the wave was built and the new connection has
@@ -278,7 +279,7 @@ impl Dispatcher {
         let shutdown_timeout = self.config.dispatch.shutdown_timeout;
         let shutdown = self.shutdown.clone();
         let token = stop.clone();
-        tokio::spawn(async move {
+        crate::host::spawn(async move {
             tokio::select! {
                 _ = tokio::time::sleep(publish_timeout) => {}
                 _ = async { shutdown.cancelled().await; tokio::time::sleep(shutdown_timeout).await } => {}

@@ -27,7 +27,7 @@ pub async fn watch(
     shutdown: CancellationToken,
 ) {
     let mut stream = None;
-    let mut opened_at: Option<std::time::Instant> = None;
+    let mut opened_at: Option<tokio::time::Instant> = None;
     // After a failed read, the next waits out its back-off ([`crate::store::serverload`]).
     let mut reading = Pacing::new(store.operation_timeout());
     loop {
@@ -36,7 +36,7 @@ pub async fn watch(
             reading.record(&result);
         }
         if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
-            opened_at = Some(std::time::Instant::now());
+            opened_at = Some(tokio::time::Instant::now());
             stream = store
                 .bounded("watch the control collection", async {
                     Ok(store.control.watch().await?)

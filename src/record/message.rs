@@ -200,7 +200,7 @@ pub fn build(
     let correlation_id = record.process_manager_id.hyphenated().to_string();
     let message_id = match rabbit.message_id {
         MessageIdMode::Stable => record.id.hyphenated().to_string(),
-        MessageIdMode::Random => Uuid::new_v4().hyphenated().to_string(),
+        MessageIdMode::Random => crate::host::uuid().hyphenated().to_string(),
     };
 
     let mut headers = FieldTable::default();

@@ -295,7 +295,7 @@ mod tests {
             );
         }
         for bad_time in [
-            Bson::DateTime(DateTime::now()),
+            Bson::DateTime(crate::host::wall_date()),
             Bson::Array(vec![Bson::Int64(1)]),
             Bson::Array(vec![Bson::String("1".into()), Bson::Int32(0)]),
             Bson::Array(vec![Bson::Int64(-5), Bson::Int32(0)]),

@@ -6,7 +6,8 @@
 //! that turns and claims nothing while records wait is not ready).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use serde::Serialize;
 

@@ -19,7 +19,8 @@
 //! then reported down anyway).
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::Bson;
 

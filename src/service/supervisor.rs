@@ -65,7 +65,7 @@ impl Supervisor {
         name: &'static str,
         task: impl Future<Output = Result<(), E>> + Send + 'static,
     ) {
-        let handle = self.tasks.spawn(async move {
+        let handle = crate::host::spawn_in(&mut self.tasks, async move {
             match AssertUnwindSafe(task).catch_unwind().await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(format!("failed: {e}")),

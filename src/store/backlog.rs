@@ -13,7 +13,7 @@
 //! `Time` shape (while something is paused, the seek walks past the paused records due before
 //! the first other one, as the claim's read from the start does).
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use bson::{Bson, DateTime, Document, doc};
 

@@ -125,13 +125,13 @@ impl Drop for Unclaimed {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        runtime.spawn(async move {
+        runtime.spawn(crate::host::inherit(async move {
             let release = store.bounded("release an unfinished claim", store.release_many(&ids, owner));
             match release.await {
                 Ok(n) => tracing::debug!(%owner, released = n, "released the records of a claim that did not finish"),
                 Err(e) => tracing::warn!(%owner, error = %e, "could not release a claim that did not finish; its leases will expire"),
             }
-        });
+        }));
     }
 }
 
@@ -193,7 +193,7 @@ impl Store {
         let now = self.clock.now();
         // While a backlog drains, read only about one batch past the last one, or a random
         // slice after meeting a racing instance (see `crate::store::window`).
-        let slice = rand::random_range(0..window::SLICES);
+        let slice = crate::host::random_range(0..window::SLICES as u64) as i64;
         let range = self.window.range(lease::add(now, look_ahead), slice);
         // Past the due records of the destinations left out, when a read from the start
         // found where the others begin (see `crate::store::head`).

@@ -9,7 +9,8 @@
 //! decision. The wall clock is used only before the first reading and for the offset gauge.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::time::Instant;
 
 use bson::DateTime;
 
@@ -45,12 +46,7 @@ impl ServerClock {
 
     /// This host's wall clock in Unix milliseconds (with any injected skew).
     pub fn local_ms(&self) -> i64 {
-        let d = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or(Duration::ZERO);
-        i64::try_from(d.as_millis())
-            .unwrap_or(i64::MAX)
-            .saturating_add(
+        crate::host::wall_ms().saturating_add(
                 self.local_skew_ms
                     .load(std::sync::atomic::Ordering::Relaxed),
             )

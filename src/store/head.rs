@@ -18,7 +18,8 @@
 //! [`crate::store::lease`].
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::DateTime;
 

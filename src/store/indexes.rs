@@ -10,7 +10,8 @@
 //! treats a build that failed as a warning with its reason.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::{Document, doc};
 use futures::TryStreamExt;

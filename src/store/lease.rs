@@ -40,7 +40,7 @@ impl Lease {
     /// A new lease with a fresh random owner, running `lease` from `now`.
     pub fn new(now: DateTime, lease: Duration) -> Self {
         Self {
-            owner: Uuid::new_v4(),
+            owner: crate::host::uuid(),
             expires_at: add(now, lease),
         }
     }

@@ -6,6 +6,7 @@
 //! collections and nothing else: the state of other concerns (pauses, the census's memory) is
 //! kept by them and handed in.
 
+pub mod backend;
 pub mod backlog;
 pub mod claim;
 pub mod clock;
@@ -263,7 +264,7 @@ impl Store {
         call: &'static str,
         fut: impl std::future::Future<Output = T>,
     ) -> T {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let out = fut.await;
         crate::metrics::mongodb_call(call, started.elapsed());
         out
@@ -297,14 +298,14 @@ impl Store {
     /// the sample with the shortest round trip of three, so that a first call that also opens
     /// the connection does not skew it. Also the cheapest check that the server answers.
     pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
-        let mut best: Option<(Duration, DateTime, std::time::Instant, std::time::Instant)> = None;
+        let mut best: Option<(Duration, DateTime, tokio::time::Instant, tokio::time::Instant)> = None;
         for _ in 0..3 {
-            let sent = std::time::Instant::now();
+            let sent = tokio::time::Instant::now();
             let reply = self
                 .db
                 .run_command(self.command(doc! { "hello": 1 }))
                 .await?;
-            let received = std::time::Instant::now();
+            let received = tokio::time::Instant::now();
             let server = *reply
                 .get_datetime("localTime")
                 .map_err(|_| StoreError::NoServerTime)?;

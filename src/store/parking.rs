@@ -224,7 +224,7 @@ impl Parking {
             parked_field::ERROR: error,
             parked_field::ATTEMPTS: i64::from(attempts),
             parked_field::PARKED_AT: self.clock.now(),
-            parked_field::PARK_ID: crate::record::uuid_bson(Uuid::new_v4()),
+            parked_field::PARK_ID: crate::record::uuid_bson(crate::host::uuid()),
         };
         self.parked
             .replace_one(doc! { field::ID: id.clone() }, parked)

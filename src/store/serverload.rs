@@ -17,7 +17,8 @@
 //!
 //! [`Store::server_limit`]: crate::store::Store::server_limit
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use mongodb::error::ErrorKind;
 

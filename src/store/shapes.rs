@@ -12,7 +12,8 @@
 //! instant when it was written at least `REFRESH` ahead of it.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::{Bson, Document, doc};
 
@@ -86,7 +87,7 @@ impl ShapeCache {
                 // A probe in the background; none while one still runs.
                 if stale && let Ok(busy) = self.busy.clone().try_lock_owned() {
                     let (cache, store) = (self.clone(), store.clone());
-                    tokio::spawn(async move {
+                    crate::host::spawn(async move {
                         let _busy = busy;
                         if let Err(e) = cache.refresh(&store).await {
                             tracing::debug!(error = %e, "could not refresh the Time shapes; keeping the last ones");
@@ -109,7 +110,7 @@ impl ShapeCache {
                     }
                 }
                 let (cache, store) = (self.clone(), store.clone());
-                let learn = tokio::spawn(async move {
+                let learn = crate::host::spawn(async move {
                     let _busy = busy;
                     cache.learn(&store).await
                 });

@@ -16,7 +16,8 @@
 //! it reads is still claimed by the compare-and-swap of [`crate::store::lease`].
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bson::DateTime;
 
