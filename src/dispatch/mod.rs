@@ -29,6 +29,7 @@
 mod claim;
 mod control;
 mod held;
+pub mod lapinlink;
 pub mod link;
 pub mod publisher;
 pub mod ratelimit;
