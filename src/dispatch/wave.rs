@@ -24,6 +24,9 @@ impl Dispatcher {
                 self.health.set_up(m::RABBITMQ, true);
                 self.link_backoff.reset();
             }
+            Err(PublishError::Stopped) => {
+                tracing::debug!("shutdown began before the RabbitMQ connection was open");
+            }
             Err(e) => {
                 self.health.set_up(m::RABBITMQ, false);
                 let wait = self.link_backoff.next_delay();
@@ -141,7 +144,9 @@ impl Dispatcher {
         let handle = crate::host::spawn_in(&mut self.tasks, async move {
             let result = tokio::select! {
                 r = publisher.connect() => r,
-                _ = shutdown.cancelled() => Ok(()),
+                // Not `Ok`: a connect cut short says nothing of the broker (issue 25: it
+                // marked RabbitMQ up).
+                _ = shutdown.cancelled() => Err(PublishError::Stopped),
             };
             Done::Link {
                 publisher: Box::new(publisher),
