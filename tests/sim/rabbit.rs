@@ -27,7 +27,8 @@
 //!   publish, then stops reading it and sends `connection.blocked`; lapin then writes nothing
 //!   more, so later publishes' written futures wait ([`BlockMode`]);
 //! - `frame_max` per node (lapin's `?frame_max=` in the URI lowers it); a content header frame
-//!   larger than it makes the broker close the connection (501 FRAME_ERROR); bodies are split;
+//!   larger than it by more than RabbitMQ's 8-byte fudge makes the broker close the
+//!   connection (501 FRAME_ERROR); bodies are split;
 //! - a link closed by the server (`rabbitmqctl close_connection`), a node stopped (links reset,
 //!   opens refused) or unreachable (opens hang, links silent until the dead-peer timeout), a
 //!   node stalled (reads nothing, writes fill the socket buffer);
@@ -48,6 +49,10 @@ use tokio::time::Instant;
 
 /// RabbitMQ's reply code for a mandatory message no queue is bound for.
 pub const NO_ROUTE: u16 = 312;
+
+/// How many bytes past `frame_max` RabbitMQ lets a frame run (`?FRAME_SIZE_FUDGE` in
+/// `rabbit_reader`; seen in `tests/conformance_rabbitmq.rs`).
+pub const FRAME_SIZE_FUDGE: usize = 8;
 
 /// The smallest `frame_max` lapin and RabbitMQ accept.
 pub const FRAME_MIN_SIZE: u32 = 4096;
@@ -957,13 +962,16 @@ impl State {
                 fate,
             });
         };
-        if msg.header_len > frame_max as usize {
+        // RabbitMQ refuses a frame whose payload exceeds `frame_max - 8`, with a fudge of 8
+        // bytes for old clients: a whole frame of up to `frame_max + 8` bytes goes.
+        let limit = (frame_max as usize).saturating_add(FRAME_SIZE_FUDGE);
+        if msg.header_len > limit {
             log(self, Fate::FrameError);
             self.server_close(
                 id,
                 at,
                 format!(
-                    "connection closed by the server: 501 FRAME_ERROR - type 2, all octets = <<>>: {{frame_too_large,{},{}}}",
+                    "protocol error: AMQP hard error: FRAME-ERROR: FRAME_ERROR - type 2, all octets = <<>>: {{frame_too_large,{},{}}}",
                     msg.header_len.saturating_sub(8),
                     frame_max.saturating_sub(8)
                 ),
