@@ -423,11 +423,16 @@ async fn alarm_and_node_loss(server: &dyn ClusterServer) {
             Err(_) => pending.push(c),
         }
     }
-    println!(
-        "{}: confirms answered while blocked: {} of {}",
-        server.name(),
-        answers.len(),
-        answers.len() + pending.len()
+    // The publish that tripped the block is read only once the alarm clears.
+    assert!(
+        answers.is_empty(),
+        "{}: confirms answered while blocked: {answers:?}",
+        server.name()
+    );
+    assert!(
+        !idle.status().blocked,
+        "{}: a link that did not publish",
+        server.name()
     );
     server.set_alarm(false).await;
     for w in unwritten {

@@ -23,9 +23,10 @@
 //!   ([`ReturnAttach::Lapin`]); a confirm dropped before its answer loses the return it drew;
 //! - nacks (a queue that rejects publishes), and confirms withheld (a quorum queue without
 //!   its majority: no answer until the link dies or the majority is back);
-//! - a memory alarm: the broker keeps reading a connection until it publishes, routes that
-//!   publish, then stops reading it and sends `connection.blocked`; lapin then writes nothing
-//!   more, so later publishes' written futures wait ([`BlockMode`]);
+//! - a memory alarm: the broker keeps reading a connection until it publishes; that publish's
+//!   method frame blocks it (the message is read and routed only once unblocked) and the
+//!   broker sends `connection.blocked`; lapin then writes nothing more, so later publishes'
+//!   written futures wait ([`BlockMode`]);
 //! - `frame_max` per node (lapin's `?frame_max=` in the URI lowers it); a content header frame
 //!   larger than it by more than RabbitMQ's 8-byte fudge makes the broker close the
 //!   connection (501 FRAME_ERROR); bodies are split;
@@ -118,8 +119,9 @@ pub enum ReturnAttach {
 /// When the broker blocks a connection during a memory alarm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockMode {
-    /// As RabbitMQ does: a connection is blocked when it next publishes; that publish is
-    /// read and routed, then the broker stops reading and sends `connection.blocked`.
+    /// As RabbitMQ does: a connection is blocked when it next publishes; the broker stops
+    /// reading it at that publish (routing it only once unblocked) and sends
+    /// `connection.blocked`. A connection that does not publish is not blocked.
     OnNextPublish,
     /// Every open connection is blocked (and told so) as soon as the alarm is set.
     OnAlarm,
@@ -906,6 +908,17 @@ impl State {
                     link.deferred.push_back(EventKind::Process { tag, msg });
                     return;
                 }
+                if link.server_blocking {
+                    // As rabbit_reader does: the publish method frame blocks the connection
+                    // (`maybe_block`); the rest of that message is read only once unblocked.
+                    link.server_blocked = true;
+                    let tell = !link.client_blocked;
+                    link.deferred.push_back(EventKind::Process { tag, msg });
+                    if tell {
+                        self.schedule_client(id, at, ClientEvent::Blocked);
+                    }
+                    return;
+                }
                 link.unread = link.unread.saturating_sub(msg.size());
                 self.process(id, at, tag, msg);
                 self.flush_writes(id, at);
@@ -945,12 +958,7 @@ impl State {
         let Some(link) = self.links.get(&id) else {
             return;
         };
-        let (conn, node, frame_max, blocking) = (
-            link.name.clone(),
-            link.node.clone(),
-            link.frame_max,
-            link.server_blocking,
-        );
+        let (conn, node, frame_max) = (link.name.clone(), link.node.clone(), link.frame_max);
         let message_id = msg.properties.message_id().as_ref().map(|s| s.to_string());
         let log = |s: &mut State, fate: Fate| {
             s.processed.push(Processed {
@@ -1007,12 +1015,6 @@ impl State {
             None => {
                 log(self, Fate::Dropped);
                 self.schedule_ack(id, at, tag, false);
-            }
-        }
-        if blocking && let Some(link) = self.links.get_mut(&id) {
-            link.server_blocked = true;
-            if !link.client_blocked {
-                self.schedule_client(id, at, ClientEvent::Blocked);
             }
         }
     }
