@@ -49,6 +49,8 @@ trait Server: Send + Sync {
     /// The node the case opens links to.
     fn uri(&self) -> String;
     fn declare<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()>;
+    /// Declares a queue that nacks every publish.
+    fn declare_rejecting<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()>;
     fn delete<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()>;
     /// Waits until `queue` holds at least `n` messages (or the deadline), then takes every
     /// message it holds.
@@ -520,7 +522,51 @@ async fn alarm_and_node_loss(server: &dyn ClusterServer) {
         .expect("written");
     assert_eq!(answer(c).await, Ok(Answer::Ack(None)));
     let _ = within("close", other.close(200, "done")).await;
-    server.start_node(1).await;
+
+    // The quorum queue without its majority (two of three nodes stopped): no answer until
+    // the majority is back.
+    let _ = server.take(&queue, 0).await;
+    let link = open(server, &server.node_uri(0), &unique("conf-majority")).await;
+    server.stop_node(2).await;
+    let mut held = publish(&*link, &queue, b"h", props("held"))
+        .await
+        .expect("written");
+    let early = tokio::time::timeout(Duration::from_secs(2), &mut held).await;
+    assert!(
+        early.is_err(),
+        "{}: answered without a majority: {early:?}",
+        server.name()
+    );
+    futures::future::join(server.start_node(1), server.start_node(2)).await;
+    let late = within("the answer once the majority is back", held).await;
+    println!(
+        "{}: the answer once the majority is back: {late:?}",
+        server.name()
+    );
+    assert_eq!(late, Ok(Answer::Ack(None)), "{}", server.name());
+    let got: Vec<Option<String>> = server
+        .take(&queue, 1)
+        .await
+        .iter()
+        .map(|m| message_id(&m.properties))
+        .collect();
+    assert_eq!(got, vec![Some("held".to_string())], "{}", server.name());
+    let _ = within("close", link.close(200, "done")).await;
+    server.delete(&queue).await;
+}
+
+/// A queue that rejects publishes (`x-overflow: reject-publish` at `x-max-length: 0`): the
+/// publish is nacked, without a return, and not delivered.
+async fn nacked(server: &dyn Server) {
+    let queue = unique("conf-nacked");
+    server.declare_rejecting(&queue).await;
+    let link = open(server, &server.uri(), &unique("conf")).await;
+    let c = publish(&*link, &queue, b"n", props("nacked"))
+        .await
+        .expect("written");
+    assert_eq!(answer(c).await, Ok(Answer::Nack(None)), "{}", server.name());
+    assert!(server.take(&queue, 0).await.is_empty(), "{}", server.name());
+    let _ = within("close", link.close(200, "done")).await;
     server.delete(&queue).await;
 }
 
@@ -556,7 +602,13 @@ impl Server for Model {
         MODEL_NODES[0].to_string()
     }
     fn declare<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move { self.model.declare_queue(queue) })
+        Box::pin(async move { self.model.declare_quorum_queue(queue) })
+    }
+    fn declare_rejecting<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            self.model.declare_queue(queue);
+            self.model.set_queue_nacks(queue, true);
+        })
     }
     fn delete<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move { self.model.delete_queue(queue) })
@@ -689,6 +741,23 @@ impl Server for Real {
             .expect("declare");
         })
     }
+    fn declare_rejecting<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let mut args = FieldTable::default();
+            args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+            args.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString("reject-publish".into()),
+            );
+            within(
+                "declare",
+                self.channel
+                    .queue_declare(queue.into(), QueueDeclareOptions::default(), args),
+            )
+            .await
+            .expect("declare");
+        })
+    }
     fn delete<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             let _ = within(
@@ -804,6 +873,7 @@ conformance!(
     frame_max_reported,
     frame_limits,
     closed_by_server,
+    nacked,
 );
 
 mod alarm_and_node_loss {

@@ -330,6 +330,11 @@ struct Node {
 #[derive(Debug, Default)]
 struct Queue {
     withhold: bool,
+    /// A quorum queue with a member on every node: it withholds confirms while fewer than
+    /// a majority of the nodes are up.
+    quorum: bool,
+    /// What it holds is forgotten rather than delivered when it can commit again.
+    lose_held: bool,
     nack: bool,
     held: Vec<(u64, u64, Message)>,
 }
@@ -566,9 +571,12 @@ impl RabbitModel {
 
     pub fn node_up(&self, uri: &str) {
         let (key, _) = node_key(uri);
-        if let Some(n) = self.now().nodes.get_mut(&key) {
+        let now = Instant::now();
+        let mut s = self.now();
+        if let Some(n) = s.nodes.get_mut(&key) {
             n.up = true;
         }
+        s.release_held(now);
     }
 
     /// A node that stops reading and answering (a stalled network or process) and, when
@@ -654,7 +662,8 @@ impl RabbitModel {
 
     /// A quorum queue that lost its majority: publishes to it get no answer. When the majority
     /// is back (`withhold` false), what it held is delivered and acked on links still open,
-    /// unless `lose_held`, when it is forgotten (a leader change that dropped it).
+    /// unless `lose_held` was given (when withholding or now): then it is forgotten (a leader
+    /// change that dropped it) and its confirms stay unanswered until their links die.
     pub fn set_queue_withholds(&self, name: &str, withhold: bool, lose_held: bool) {
         let now = Instant::now();
         let mut s = self.now();
@@ -662,19 +671,24 @@ impl RabbitModel {
             return;
         };
         q.withhold = withhold;
-        if withhold {
-            return;
+        q.lose_held = q.lose_held || lose_held;
+        s.release_held(now);
+        if let Some(q) = s.queues.get_mut(name)
+            && q.held.is_empty()
+            && !withhold
+        {
+            q.lose_held = false;
         }
-        let held = std::mem::take(&mut q.held);
-        if lose_held {
-            return;
-        }
-        for (link, tag, msg) in held {
-            s.deliver(now, link, name, &msg);
-            if s.links.get(&link).is_some_and(|l| !l.server_gone) {
-                s.schedule_ack(link, now, tag, false);
-            }
-        }
+    }
+
+    /// Declares a quorum queue (idempotent): it withholds confirms while a majority of the
+    /// nodes is down, and delivers and acks what it held once the majority is back.
+    pub fn declare_quorum_queue(&self, name: &str) {
+        self.now()
+            .queues
+            .entry(name.to_string())
+            .or_default()
+            .quorum = true;
     }
 
     /// The broker closes connections named `name` (as `rabbitmqctl close_connection` does):
@@ -865,6 +879,40 @@ impl State {
         self.wake.send_modify(|g| *g = g.wrapping_add(1));
     }
 
+    /// Whether more than half of the nodes are up.
+    fn majority(&self) -> bool {
+        let up = self.nodes.values().filter(|n| n.up).count();
+        up * 2 > self.nodes.len()
+    }
+
+    /// Queues that can commit again deliver what they held, and ack it on links still open.
+    fn release_held(&mut self, now: Instant) {
+        let majority = self.majority();
+        let names: Vec<String> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| !q.held.is_empty() && !q.withhold && (majority || !q.quorum))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            let held = match self.queues.get_mut(&name) {
+                Some(q) if q.lose_held => {
+                    q.lose_held = false;
+                    q.held.clear();
+                    Vec::new()
+                }
+                Some(q) => std::mem::take(&mut q.held),
+                None => Vec::new(),
+            };
+            for (link, tag, msg) in held {
+                self.deliver(now, link, &name, &msg);
+                if self.links.get(&link).is_some_and(|l| !l.server_gone) {
+                    self.schedule_ack(link, now, tag, false);
+                }
+            }
+        }
+    }
+
     fn alarmed(&self) -> bool {
         self.nodes.values().any(|n| n.alarm)
     }
@@ -986,10 +1034,11 @@ impl State {
             );
             return;
         }
+        let majority = self.majority();
         let nack_rate = self.behaviour.nack_rate;
         let random_nack = self.rng.chance(nack_rate);
         match self.queues.get_mut(&msg.routing_key) {
-            Some(q) if q.withhold => {
+            Some(q) if q.withhold || (q.quorum && !majority) => {
                 q.held.push((id, tag, msg.clone()));
                 log(self, Fate::Withheld);
             }
