@@ -55,6 +55,11 @@ trait Server: Send + Sync {
     /// Waits until `queue` holds at least `n` messages (or the deadline), then takes every
     /// message it holds.
     fn take<'a>(&'a self, queue: &'a str, n: usize) -> BoxFuture<'a, Vec<Got>>;
+    /// A node whose link can stall: the model's node, or the broker behind the test proxy.
+    fn stall_uri(&self) -> String;
+    /// Stalls that node's links in both directions (bytes held, connections open), or
+    /// releases them.
+    fn stall(&self, on: bool) -> BoxFuture<'_, ()>;
     /// The server closes the connections named `name` (`rabbitmqctl close_connection`).
     fn close_connection<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()>;
 }
@@ -555,6 +560,37 @@ async fn alarm_and_node_loss(server: &dyn ClusterServer) {
     server.delete(&queue).await;
 }
 
+/// A stalled link (nothing flows either way, the connection stays open): a publish is still
+/// written (into the sockets' buffers) but gets no answer; once released, it is confirmed and
+/// delivered.
+async fn stalled(server: &dyn Server) {
+    let queue = unique("conf-stalled");
+    server.declare(&queue).await;
+    let link = open(server, &server.stall_uri(), &unique("conf-stalled")).await;
+    let c = publish(&*link, &queue, b"s", props("s0"))
+        .await
+        .expect("written");
+    assert_eq!(answer(c).await, Ok(Answer::Ack(None)));
+    server.stall(true).await;
+    let mut c = publish(&*link, &queue, b"s", props("s1"))
+        .await
+        .expect("written");
+    let early = tokio::time::timeout(Duration::from_secs(1), &mut c).await;
+    assert!(early.is_err(), "{}: answered while stalled", server.name());
+    assert!(link.status().connected, "{}", server.name());
+    server.stall(false).await;
+    assert_eq!(answer(c).await, Ok(Answer::Ack(None)), "{}", server.name());
+    let got: Vec<Option<String>> = server
+        .take(&queue, 2)
+        .await
+        .iter()
+        .map(|m| message_id(&m.properties))
+        .collect();
+    assert_eq!(got, vec![Some("s0".to_string()), Some("s1".to_string())]);
+    let _ = within("close", link.close(200, "done")).await;
+    server.delete(&queue).await;
+}
+
 /// A queue that rejects publishes (`x-overflow: reject-publish` at `x-max-length: 0`): the
 /// publish is nacked, without a return, and not delivered.
 async fn nacked(server: &dyn Server) {
@@ -634,6 +670,12 @@ impl Server for Model {
     fn close_connection<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move { self.model.close_connection(name, "closed by the test") })
     }
+    fn stall_uri(&self) -> String {
+        MODEL_NODES[0].to_string()
+    }
+    fn stall(&self, on: bool) -> BoxFuture<'_, ()> {
+        Box::pin(async move { self.model.stall_node(MODEL_NODES[0], on) })
+    }
 }
 
 impl ClusterServer for Model {
@@ -660,6 +702,7 @@ struct Real {
     _admin: Connection,
     channel: lapin::Channel,
     cluster: Option<common::cluster::Cluster>,
+    proxy: common::proxy::Proxy,
 }
 
 impl Real {
@@ -673,12 +716,14 @@ impl Real {
             .await
             .expect("connect the admin link");
         let channel = admin.create_channel().await.expect("admin channel");
+        let proxy = common::proxy::Proxy::start(&common::proxy::host_port(&uris[0])).await;
         Self {
             broker,
             uris,
             _admin: admin,
             channel,
             cluster,
+            proxy,
         }
     }
 
@@ -792,6 +837,18 @@ impl Server for Real {
             got
         })
     }
+    fn stall_uri(&self) -> String {
+        self.stall_uri_of()
+    }
+    fn stall(&self, on: bool) -> BoxFuture<'_, ()> {
+        let mode = if on {
+            common::proxy::Mode::Stall
+        } else {
+            common::proxy::Mode::Forward
+        };
+        self.proxy.set(mode);
+        Box::pin(async {})
+    }
     fn close_connection<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             // The connection shows once the broker registered it.
@@ -814,6 +871,12 @@ impl Server for Real {
             self.rabbitmqctl(&["close_connection", &pid, "closed by the test"])
                 .await;
         })
+    }
+}
+
+impl Real {
+    fn stall_uri_of(&self) -> String {
+        self.proxy.rewrite(&self.uris[0])
     }
 }
 
@@ -874,6 +937,7 @@ conformance!(
     frame_limits,
     closed_by_server,
     nacked,
+    stalled,
 );
 
 mod alarm_and_node_loss {
