@@ -321,13 +321,12 @@ async fn frame_limits(server: &dyn Server) {
     };
     let err = outcome.expect_err("a header over frame_max cannot be acked");
     println!("{}: header over frame_max: {err}", server.name());
-    let closed = within("link closed", async {
+    within("link closed", async {
         while link.status().connected {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await;
-    let _ = closed;
     let later = publish(&*link, &queue, b"y", props(&Uuid::new_v4().to_string())).await;
     assert!(
         later.is_err(),

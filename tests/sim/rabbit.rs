@@ -351,7 +351,7 @@ enum ClientEvent {
 #[derive(Debug)]
 enum EventKind {
     /// The broker reads and routes a publish.
-    Process { tag: u64, msg: Message },
+    Process { tag: u64, msg: Box<Message> },
     /// The broker reads the client's `connection.close`.
     CloseRequest,
     /// The client sees something the broker sent.
@@ -968,7 +968,7 @@ impl State {
                     return;
                 }
                 link.unread = link.unread.saturating_sub(msg.size());
-                self.process(id, at, tag, msg);
+                self.process(id, at, tag, *msg);
                 self.flush_writes(id, at);
             }
             EventKind::CloseRequest => {
@@ -1245,7 +1245,10 @@ impl State {
             key,
             Event {
                 link: id,
-                kind: EventKind::Process { tag, msg },
+                kind: EventKind::Process {
+                    tag,
+                    msg: Box::new(msg),
+                },
             },
         );
     }
