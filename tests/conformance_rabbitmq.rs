@@ -60,6 +60,8 @@ trait Server: Send + Sync {
     /// Stalls that node's links in both directions (bytes held, connections open), or
     /// releases them.
     fn stall(&self, on: bool) -> BoxFuture<'_, ()>;
+    /// Holds back what that node sends (it still reads and routes), or releases it.
+    fn hold_replies(&self, on: bool) -> BoxFuture<'_, ()>;
     /// The server closes the connections named `name` (`rabbitmqctl close_connection`).
     fn close_connection<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()>;
 }
@@ -590,6 +592,57 @@ async fn stalled(server: &dyn Server) {
     server.delete(&queue).await;
 }
 
+/// Replies held back (the broker reads and routes, the client hears nothing): a wave is
+/// delivered while its confirms wait, a stalled open does not complete, and once released
+/// every confirm arrives in order.
+async fn replies_held(server: &dyn Server) {
+    let queue = unique("conf-held");
+    server.declare(&queue).await;
+    let link = open(server, &server.stall_uri(), &unique("conf-held")).await;
+    server.hold_replies(true).await;
+    let mut confirms = Vec::new();
+    let mut ids = BTreeSet::new();
+    for i in 0..20 {
+        let id = format!("h{i}");
+        ids.insert(id.clone());
+        confirms.push(
+            publish(&*link, &queue, b"h", props(&id))
+                .await
+                .expect("written"),
+        );
+    }
+    let got: BTreeSet<String> = server
+        .take(&queue, ids.len())
+        .await
+        .iter()
+        .filter_map(|m| message_id(&m.properties))
+        .collect();
+    assert_eq!(got, ids, "{}: routed while replies are held", server.name());
+    let first = confirms.first_mut().expect("a confirm");
+    let early = tokio::time::timeout(Duration::from_secs(1), first).await;
+    assert!(early.is_err(), "{}: answered while held", server.name());
+    server.hold_replies(false).await;
+    for c in confirms {
+        assert_eq!(answer(c).await, Ok(Answer::Ack(None)), "{}", server.name());
+    }
+    let _ = within("close", link.close(200, "done")).await;
+
+    // An open to a stalled node does not complete (the caller's deadline ends it).
+    server.stall(true).await;
+    let hung = tokio::time::timeout(
+        Duration::from_secs(2),
+        server.broker().open(&server.stall_uri(), "conf-hung"),
+    )
+    .await;
+    assert!(
+        hung.is_err(),
+        "{}: an open to a stalled node",
+        server.name()
+    );
+    server.stall(false).await;
+    server.delete(&queue).await;
+}
+
 /// A queue that rejects publishes (`x-overflow: reject-publish` at `x-max-length: 0`): the
 /// publish is nacked, without a return, and not delivered.
 async fn nacked(server: &dyn Server) {
@@ -674,6 +727,9 @@ impl Server for Model {
     }
     fn stall(&self, on: bool) -> BoxFuture<'_, ()> {
         Box::pin(async move { self.model.stall_node(MODEL_NODES[0], on) })
+    }
+    fn hold_replies(&self, on: bool) -> BoxFuture<'_, ()> {
+        Box::pin(async move { self.model.hold_replies(MODEL_NODES[0], on) })
     }
 }
 
@@ -848,6 +904,15 @@ impl Server for Real {
         self.proxy.set(mode);
         Box::pin(async {})
     }
+    fn hold_replies(&self, on: bool) -> BoxFuture<'_, ()> {
+        let mode = if on {
+            common::proxy::Mode::HoldReplies
+        } else {
+            common::proxy::Mode::Forward
+        };
+        self.proxy.set(mode);
+        Box::pin(async {})
+    }
     fn close_connection<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             // The connection shows once the broker registered it.
@@ -937,6 +1002,7 @@ conformance!(
     closed_by_server,
     nacked,
     stalled,
+    replies_held,
 );
 
 mod alarm_and_node_loss {

@@ -32,7 +32,8 @@
 //!   connection (501 FRAME_ERROR); bodies are split;
 //! - a link closed by the server (`rabbitmqctl close_connection`), a node stopped (links reset,
 //!   opens refused) or unreachable (opens hang, links silent until the dead-peer timeout), a
-//!   node stalled (reads nothing, writes fill the socket buffer);
+//!   node stalled (reads nothing, writes fill the socket buffer), a node whose replies are
+//!   held (it routes, the client hears nothing);
 //! - latency per open, per publish (written to routed) and per answer (routed to seen).
 #![allow(dead_code)]
 
@@ -323,6 +324,8 @@ struct Node {
     up: bool,
     down: DownMode,
     stalled: bool,
+    /// The node reads and acts on everything, but what it sends is held back.
+    holds_replies: bool,
     alarm: bool,
     config: NodeConfig,
 }
@@ -516,6 +519,7 @@ impl RabbitModel {
                 up: true,
                 down: DownMode::Refuse,
                 stalled: false,
+                holds_replies: false,
                 alarm: false,
                 config,
             },
@@ -591,6 +595,24 @@ impl RabbitModel {
         let was = n.stalled;
         n.stalled = stalled;
         if was && !stalled {
+            for id in s.links_of(&key) {
+                s.resume_link(id, now);
+            }
+        }
+    }
+
+    /// A node whose replies are held back (as the test proxy's `HoldReplies`): it reads and
+    /// routes every publish, and the client hears nothing until released.
+    pub fn hold_replies(&self, uri: &str, hold: bool) {
+        let (key, _) = node_key(uri);
+        let now = Instant::now();
+        let mut s = self.now();
+        let Some(n) = s.nodes.get_mut(&key) else {
+            return;
+        };
+        let was = n.holds_replies;
+        n.holds_replies = hold;
+        if was && !hold {
             for id in s.links_of(&key) {
                 s.resume_link(id, now);
             }
@@ -947,6 +969,10 @@ impl State {
             return;
         };
         let stalled = self.nodes.get(&link.node).is_some_and(|n| n.stalled);
+        let replies_held = self
+            .nodes
+            .get(&link.node)
+            .is_some_and(|n| n.stalled || n.holds_replies);
         match event.kind {
             EventKind::Process { tag, msg } => {
                 if link.server_gone {
@@ -990,7 +1016,7 @@ impl State {
                 if link.closed.is_some() {
                     return;
                 }
-                if stalled && !matches!(ev, ClientEvent::Closed(_)) {
+                if replies_held && !matches!(ev, ClientEvent::Closed(_)) {
                     link.client_deferred.push_back(ev);
                     return;
                 }
@@ -1298,8 +1324,38 @@ impl State {
             let key = self.next_key(when);
             self.insert(key, Event { link: id, kind });
         }
+        if client.is_empty() {
+            return;
+        }
+        // What was held goes first, then what the broker sent since, each no earlier than it
+        // was due.
+        let later: Vec<Key> = self
+            .agenda
+            .iter()
+            .filter(|(_, e)| e.link == id && matches!(e.kind, EventKind::Client(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        let open_ack = self.links.get(&id).and_then(|l| l.open_ack);
+        let later: Vec<(Key, Event)> = later
+            .into_iter()
+            .filter_map(|k| self.agenda.remove(&k).map(|e| (k, e)))
+            .collect();
+        if let Some(l) = self.links.get_mut(&id) {
+            l.last_arrival = now;
+            l.open_ack = None;
+        }
         for ev in client {
             self.schedule_client_at(id, now, ev);
+        }
+        for (key, event) in later {
+            if let EventKind::Client(ev) = event.kind {
+                let new = self.schedule_client_at(id, key.0, ev);
+                if open_ack == Some(key)
+                    && let Some(l) = self.links.get_mut(&id)
+                {
+                    l.open_ack = new;
+                }
+            }
         }
     }
 }
