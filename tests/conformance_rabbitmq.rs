@@ -1059,3 +1059,44 @@ fn header_estimate_matches_the_encoder() {
         );
     }
 }
+
+/// The model replays: the same seed gives the same answers, deliveries and times.
+#[test]
+fn model_replays_a_seed() {
+    fn run(seed: u64) -> String {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let start = tokio::time::Instant::now();
+            let model = RabbitModel::new(&MODEL_NODES, seed, Behaviour::default());
+            model.declare_queue("q");
+            let link = model.open(MODEL_NODES[1], "replay").await.expect("open");
+            let mut confirms = Vec::new();
+            for i in 0..100 {
+                let key = if i % 4 == 0 { "nowhere" } else { "q" };
+                let c = link
+                    .publish(key, vec![1], props(&format!("m{i}")), true)
+                    .await
+                    .expect("written");
+                confirms.push(c);
+                if i == 50 {
+                    model.set_memory_alarm(MODEL_NODES[2], true);
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    model.set_memory_alarm(MODEL_NODES[2], false);
+                }
+            }
+            let answers = futures::future::join_all(confirms).await;
+            let deliveries: Vec<(Option<String>, Duration)> = model
+                .deliveries()
+                .iter()
+                .map(|d| (d.message_id(), d.at - start))
+                .collect();
+            format!("{answers:?}\n{deliveries:?}\n{}", model.returns_elsewhere())
+        })
+    }
+    assert_eq!(run(42), run(42));
+    assert_ne!(run(42), run(43));
+}
