@@ -47,9 +47,9 @@ impl ServerClock {
     /// This host's wall clock in Unix milliseconds (with any injected skew).
     pub fn local_ms(&self) -> i64 {
         crate::host::wall_ms().saturating_add(
-            self.local_skew_ms
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
+                self.local_skew_ms
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            )
     }
 
     fn last(&self) -> Option<Reading> {
