@@ -111,6 +111,7 @@ impl SettleQueue {
     }
 
     /// The work other than removals, in the order it runs.
+    #[cfg(test)]
     pub fn work(&self) -> impl Iterator<Item = &Settle> {
         self.work.iter()
     }
