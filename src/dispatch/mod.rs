@@ -379,7 +379,7 @@ impl Dispatcher {
             self.link_task = None;
             self.end_wave();
             let n = self.in_flight.len();
-            m::lease_lost(n);
+            m::possible_duplicates(m::DUPLICATE_PANIC, n);
             let in_flight = std::mem::take(&mut self.in_flight);
             self.release_records(in_flight, "publish_failed");
             match Publisher::new(&self.config.rabbitmq) {

@@ -31,8 +31,20 @@ pub fn released(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_released_total", "reason" => reason).increment(n as u64);
 }
 
+/// `n` records whose guarded write (the removal after a confirmed send, a refused send's
+/// deferral, parking) matched nothing because their lease had run out or another owner held
+/// them. A lease problem; whether it may also cause a duplicate is counted apart
+/// ([`possible_duplicates`]).
 pub fn lease_lost(n: usize) {
     metrics::counter!("timeoutd_lease_lost_total").increment(n as u64);
+}
+
+/// `n` records that may be delivered twice, by cause (one of
+/// [`super::POSSIBLE_DUPLICATE_CAUSES`]): a publish whose outcome is unknown (`timeout`,
+/// `connection`, `panic`), a confirmed record left leased when shutdown cut its removal short
+/// (`shutdown`), or one whose lease was lost before its removal (`lease_lost`).
+pub fn possible_duplicates(cause: &'static str, n: usize) {
+    metrics::counter!("timeoutd_possible_duplicates_total", "cause" => cause).increment(n as u64);
 }
 
 pub fn reaped(n: u64) {
