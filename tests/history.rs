@@ -404,6 +404,12 @@ async fn a_stalled_count_lookup_still_writes_the_rows() {
             attempts_of: Some(uuid(*id)),
         })
         .collect();
+    // The writer counts what it wrote and lost: read through the process's recorder. (The
+    // rows alone do not tell: an insert abandoned at its deadline may still land.)
+    let recorder = timeoutd::service::http::prometheus();
+    let lost = "timeoutd_history_lost_total{reason=\"write_failed\"}";
+    let written = "timeoutd_history_written_total";
+    let before = recorder.render();
     fail::cfg("history-attempts-stall", "return").unwrap();
     let (sink, rx) = history::channel();
     sink.record(rows);
@@ -411,6 +417,13 @@ async fn a_stalled_count_lookup_still_writes_the_rows() {
     // The writer ends once every sink is gone and what they queued is written (or lost).
     history::write(store, rx).await;
     fail::remove("history-attempts-stall");
+    let after = recorder.render();
+    assert_eq!(series(&after, lost), series(&before, lost), "no row lost: {after}");
+    assert_eq!(
+        series(&after, written) - series(&before, written),
+        ids.len() as f64,
+        "{after}"
+    );
     let docs = history_docs(&env).await;
     assert_eq!(docs.len(), ids.len(), "{docs:?}");
     for id in &ids {
