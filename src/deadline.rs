@@ -177,14 +177,20 @@ mod tests {
         drop(expired);
         // Only calls starting and ending, no reading of `in_flight`.
         CallInFlight::start(Duration::from_secs(60)).finished();
-        assert!(!present(id), "an abandoned call the server ended is forgotten");
+        assert!(
+            !present(id),
+            "an abandoned call the server ended is forgotten"
+        );
     }
 
     #[test]
     fn an_absurd_duration_does_not_overflow_an_instant() {
         let now = Instant::now();
         assert!(later(now, Duration::MAX) > now);
-        assert_eq!(later(now, Duration::from_secs(1)), now + Duration::from_secs(1));
+        assert_eq!(
+            later(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
         let absurd = CallInFlight::start(Duration::MAX);
         let id = absurd.id;
         drop(absurd);

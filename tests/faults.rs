@@ -701,8 +701,7 @@ async fn a_skewed_clock_steals_no_lease() {
     assert!(counter.wait_distinct(ids.len(), secs(60)).await);
     assert!(empty(&env, secs(30)).await);
     // b's metrics are this process's (the only in-process daemon of this test binary).
-    let lease_lost =
-        a.idle_duplicates().await + duplicates(&idle_metrics(&b_base).await);
+    let lease_lost = a.idle_duplicates().await + duplicates(&idle_metrics(&b_base).await);
     stop_b.cancel();
     tokio::time::timeout(secs(30), b)
         .await

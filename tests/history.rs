@@ -418,7 +418,11 @@ async fn a_stalled_count_lookup_still_writes_the_rows() {
     history::write(store, rx).await;
     fail::remove("history-attempts-stall");
     let after = recorder.render();
-    assert_eq!(series(&after, lost), series(&before, lost), "no row lost: {after}");
+    assert_eq!(
+        series(&after, lost),
+        series(&before, lost),
+        "no row lost: {after}"
+    );
     assert_eq!(
         series(&after, written) - series(&before, written),
         ids.len() as f64,

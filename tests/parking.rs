@@ -527,7 +527,11 @@ async fn parking_on_a_lost_lease_leaves_no_parked_copy_and_keeps_the_count() {
         .await
         .unwrap();
     let b = store.claim(1, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(b.rows.len(), 1, "B claimed the record after A's lease ran out");
+    assert_eq!(
+        b.rows.len(),
+        1,
+        "B claimed the record after A's lease ran out"
+    );
     assert_eq!(parking.count_failure(&row.id, "refused").await.unwrap(), 1);
 
     // A, late, parks it: nothing may change.

@@ -190,7 +190,10 @@ mod tests {
         assert!(h.is_live());
         h.waiting(c.dispatch.shutdown_timeout);
         assert!(h.is_live());
-        assert_eq!(c.dispatch.claim_window(), c.dispatch.poll_interval + Duration::from_secs(1));
+        assert_eq!(
+            c.dispatch.claim_window(),
+            c.dispatch.poll_interval + Duration::from_secs(1)
+        );
         let now = tokio::time::Instant::now();
         assert!(crate::deadline::later(now, c.dispatch.shutdown_timeout) > now);
     }

@@ -190,6 +190,9 @@ mod tests {
             () = three_periods => {}
         }
         let ran = upkeeps() - before;
-        assert!(ran >= 3, "upkeep ran {ran} times in three periods without a scrape");
+        assert!(
+            ran >= 3,
+            "upkeep ran {ran} times in three periods without a scrape"
+        );
     }
 }

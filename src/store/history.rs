@@ -265,7 +265,10 @@ impl Store {
         let ids: Vec<Bson> = rows.iter().filter_map(|r| r.attempts_of.clone()).collect();
         if !ids.is_empty() {
             match self
-                .bounded("read failed-send counts for history", self.attempt_counts(&ids))
+                .bounded(
+                    "read failed-send counts for history",
+                    self.attempt_counts(&ids),
+                )
                 .await
             {
                 Ok(counts) => {
