@@ -31,6 +31,17 @@ pub async fn within<T, E: From<Elapsed>>(
     }
 }
 
+/// `at` + `d`, or, past the largest instant the clock can hold, an instant decades away: a
+/// duration from the configuration can be absurd (`100000000years`), and `Instant + Duration`
+/// panics when the sum overflows.
+pub fn later(at: Instant, d: Duration) -> Instant {
+    // About 30 years: as far as any wait of timeoutd needs to look.
+    const FAR: Duration = Duration::from_secs(86_400 * 365 * 30);
+    at.checked_add(d)
+        .or_else(|| at.checked_add(FAR))
+        .unwrap_or(at)
+}
+
 /// The calls this process may have running on the server, each with the instant after which
 /// it surely ended there (`None` while its caller still waits for it).
 static IN_FLIGHT: Mutex<Option<HashMap<u64, Option<Instant>>>> = Mutex::new(None);
@@ -39,6 +50,13 @@ static NEXT_CALL: AtomicU64 = AtomicU64::new(0);
 fn calls<T>(f: impl FnOnce(&mut HashMap<u64, Option<Instant>>) -> T) -> Option<T> {
     let mut guard = IN_FLIGHT.lock().ok()?;
     Some(f(guard.get_or_insert_with(HashMap::new)))
+}
+
+/// Forgets the abandoned calls the server has surely ended by now. Run as calls start and
+/// end, not only when something reads [`in_flight`]: the map must not grow with the calls of
+/// a process that nothing scrapes.
+fn prune(m: &mut HashMap<u64, Option<Instant>>, now: Instant) {
+    m.retain(|_, until| until.is_none_or(|t| t > now));
 }
 
 /// One bounded call to MongoDB, counted in [`in_flight`] from its start until it returns, or,
@@ -56,10 +74,14 @@ pub struct CallInFlight {
 impl CallInFlight {
     pub fn start(operation_timeout: Duration) -> Self {
         let id = NEXT_CALL.fetch_add(1, Ordering::Relaxed);
-        calls(|m| m.insert(id, None));
+        let started = Instant::now();
+        calls(|m| {
+            prune(m, started);
+            m.insert(id, None)
+        });
         Self {
             id,
-            started: Instant::now(),
+            started,
             outlives: operation_timeout.saturating_mul(2),
             done: false,
         }
@@ -68,15 +90,21 @@ impl CallInFlight {
     /// The call returned (whatever its outcome): it no longer runs on the server.
     pub fn finished(mut self) {
         self.done = true;
-        calls(|m| m.remove(&self.id));
+        calls(|m| {
+            m.remove(&self.id);
+            prune(m, Instant::now());
+        });
     }
 }
 
 impl Drop for CallInFlight {
     fn drop(&mut self) {
         if !self.done {
-            let until = self.started + self.outlives;
-            calls(|m| m.insert(self.id, Some(until)));
+            let until = later(self.started, self.outlives);
+            calls(|m| {
+                m.insert(self.id, Some(until));
+                prune(m, Instant::now());
+            });
         }
     }
 }
@@ -86,7 +114,7 @@ impl Drop for CallInFlight {
 pub fn in_flight() -> usize {
     let now = Instant::now();
     calls(|m| {
-        m.retain(|_, until| until.is_none_or(|t| t > now));
+        prune(m, now);
         m.len()
     })
     .unwrap_or(0)
@@ -137,5 +165,35 @@ mod tests {
             "a dropped call counts until its server time has passed"
         );
         assert!(!counted(ids.2), "nor after");
+    }
+
+    /// The review of issue 25: abandoned calls were forgotten only when a scrape read the
+    /// gauge, so a process nothing scrapes kept every one of them.
+    #[test]
+    fn an_ended_call_is_forgotten_without_a_scrape() {
+        let present = |id: u64| calls(|m| m.contains_key(&id)).unwrap_or(false);
+        let expired = CallInFlight::start(Duration::ZERO);
+        let id = expired.id;
+        drop(expired);
+        // Only calls starting and ending, no reading of `in_flight`.
+        CallInFlight::start(Duration::from_secs(60)).finished();
+        assert!(
+            !present(id),
+            "an abandoned call the server ended is forgotten"
+        );
+    }
+
+    #[test]
+    fn an_absurd_duration_does_not_overflow_an_instant() {
+        let now = Instant::now();
+        assert!(later(now, Duration::MAX) > now);
+        assert_eq!(
+            later(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
+        let absurd = CallInFlight::start(Duration::MAX);
+        let id = absurd.id;
+        drop(absurd);
+        calls(|m| m.remove(&id));
     }
 }

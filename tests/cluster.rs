@@ -4,7 +4,7 @@
 //! the node in use stopped under a steady stream, its link cut, a node restarted while idle,
 //! every node down and back, the queue's leader stopped, and a memory alarm
 //! (`connection.blocked`). Each asserts that every record is delivered and that duplicates
-//! are no more than timeoutd counted (`timeoutd_lease_lost_total`). Lateness is printed for
+//! are no more than timeoutd counted (`timeoutd_possible_duplicates_total`). Lateness is printed for
 //! the fault table in docs/guarantees.md (no timing is asserted).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
@@ -68,7 +68,7 @@ impl<'a> Check<'a> {
             name,
             d,
             counter,
-            lost_before: d.idle_metric("timeoutd_lease_lost_total").await,
+            lost_before: d.idle_duplicates().await,
             dup_before: counter.duplicates(),
         }
     }
@@ -87,7 +87,7 @@ impl<'a> Check<'a> {
             self.d.logs_containing("WARN")
         );
         self.counter.settle(Duration::from_secs(2)).await;
-        let counted = self.d.idle_metric("timeoutd_lease_lost_total").await - self.lost_before;
+        let counted = self.d.idle_duplicates().await - self.lost_before;
         let dups = self.counter.duplicates() - self.dup_before;
         assert!(
             dups as f64 <= counted,

@@ -222,6 +222,7 @@ fn the_dashboard_shows_what_the_issue_lists_with_metrics_timeoutd_exports() {
         "timeoutd_oldest_due_age_seconds",
         "timeoutd_leases_held",
         "timeoutd_lease_lost_total",
+        "timeoutd_possible_duplicates_total",
         "timeoutd_retries_total",
         "timeoutd_parked_total",
         "sum by (reason) (increase(timeoutd_publish_failures_total",

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use common::fleet::{Daemon, DeliveryCounter, http_get, idle_metrics, series};
+use common::fleet::{Daemon, DeliveryCounter, duplicates, http_get, idle_metrics, series};
 use common::proxy::{Mode, Proxy, host_port};
 use common::scenario::*;
 use common::*;
@@ -121,7 +121,7 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
         !held_before_kill.is_empty(),
         "a holds a batch it has published"
     );
-    let lost_a = a.metric(LEASE_LOST).await;
+    let lost_a = a.duplicates().await;
     a.kill9().await;
     let at_kill = leased(&env).await;
     // The dead process's bytes never reach the broker.
@@ -157,7 +157,7 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
         .collect();
     let mut lease_lost = lost_a;
     for d in [&a2, &b, &c] {
-        lease_lost += d.idle_metric(LEASE_LOST).await;
+        lease_lost += d.idle_duplicates().await;
     }
     for d in [a2, b, c] {
         d.stop().await;
@@ -255,7 +255,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Mode, scenario: &str)
     // With the peers gone, a alone sends a second wave: it works again.
     let mut lease_lost = 0.0;
     for d in [b, c] {
-        lease_lost += d.idle_metric(LEASE_LOST).await;
+        lease_lost += d.idle_duplicates().await;
         d.stop().await;
     }
     let dispatched_before = a.metric("timeoutd_dispatched_total").await;
@@ -278,7 +278,7 @@ async fn rabbitmq_cut_in_the_middle_of_a_batch(before_cut: Mode, scenario: &str)
         ) >= 1.0,
         "{metrics}"
     );
-    lease_lost += series(&metrics, LEASE_LOST);
+    lease_lost += duplicates(&metrics);
     a.stop().await;
     counter.settle(secs(1)).await;
     let duplicates = audit(scenario, &ids, &counter, lease_lost, &BTreeSet::new());
@@ -299,7 +299,7 @@ async fn rabbitmq_cut_before_the_batch_reaches_the_broker() {
 
 // A publish whose outcome is unknown (the connection dropped after the broker routed it) is
 // released and sent again by whoever claims it next: a forced duplicate, counted in
-// timeoutd_lease_lost_total (this test found it uncounted once).
+// timeoutd_possible_duplicates_total (this test found it uncounted once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_cut_after_the_broker_routed_the_batch() {
     rabbitmq_cut_in_the_middle_of_a_batch(Mode::HoldReplies, "rabbitmq cut, batch routed").await;
@@ -384,7 +384,7 @@ async fn mongodb_cut_between_publish_and_delete_restored_within_the_lease() {
         "a deletes once MongoDB is back"
     );
     assert_eq!(a.idle_metric("timeoutd_removed_total").await, n as f64);
-    let lease_lost = a.idle_metric(LEASE_LOST).await + b.idle_metric(LEASE_LOST).await;
+    let lease_lost = a.idle_duplicates().await + b.idle_duplicates().await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -424,7 +424,7 @@ async fn mongodb_cut_between_publish_and_delete_outlasting_the_lease() {
         "a counts every record it could not delete in time as a lost lease"
     );
     assert_eq!(a.idle_metric("timeoutd_removed_total").await, 0.0);
-    let lease_lost = a.idle_metric(LEASE_LOST).await + b.idle_metric(LEASE_LOST).await;
+    let lease_lost = a.idle_duplicates().await + b.idle_duplicates().await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -478,7 +478,7 @@ async fn rabbitmq_unreachable_at_start() {
     }
     assert!(counter.wait_distinct(n, secs(60)).await);
     assert!(empty(&env, secs(30)).await);
-    let lease_lost = a.idle_metric(LEASE_LOST).await + b.idle_metric(LEASE_LOST).await;
+    let lease_lost = a.idle_duplicates().await + b.idle_duplicates().await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -546,7 +546,7 @@ async fn rolling_restart_under_load() {
             "{} claims under load",
             fleet[i].name
         );
-        lease_lost += fleet[i].metric(LEASE_LOST).await;
+        lease_lost += fleet[i].duplicates().await;
         backlogs.push(env.count(doc! {}).await);
         let logs = fleet.remove(i).stop().await;
         assert!(
@@ -574,7 +574,7 @@ async fn rolling_restart_under_load() {
     );
     assert!(empty(&env, secs(30)).await);
     for d in &fleet {
-        lease_lost += d.idle_metric(LEASE_LOST).await;
+        lease_lost += d.idle_duplicates().await;
     }
     for d in fleet {
         all_logs.extend(d.stop().await);
@@ -702,8 +702,7 @@ async fn a_skewed_clock_steals_no_lease() {
     assert!(counter.wait_distinct(ids.len(), secs(60)).await);
     assert!(empty(&env, secs(30)).await);
     // b's metrics are this process's (the only in-process daemon of this test binary).
-    let lease_lost =
-        a.idle_metric(LEASE_LOST).await + series(&idle_metrics(&b_base).await, LEASE_LOST);
+    let lease_lost = a.idle_duplicates().await + duplicates(&idle_metrics(&b_base).await);
     stop_b.cancel();
     tokio::time::timeout(secs(30), b)
         .await
@@ -776,8 +775,8 @@ async fn a_stalled_publish_outliving_its_lease_is_counted() {
         .collect();
     let want: BTreeSet<String> = ids.iter().map(Uuid::to_string).collect();
     assert_eq!(named, want, "the log names every record of the lost lease");
-    let lost_a = series(&metrics, LEASE_LOST);
-    let lease_lost = lost_a + b.idle_metric(LEASE_LOST).await;
+    let lost_a = duplicates(&metrics);
+    let lease_lost = lost_a + b.idle_duplicates().await;
     a.stop().await;
     b.stop().await;
     counter.settle(secs(1)).await;
@@ -877,7 +876,7 @@ async fn soak_with_random_kills_and_cuts() {
         let target = &mut fleet[i];
         match rng.random_range(0..3) {
             0 => {
-                lease_lost += target.daemon.metric(LEASE_LOST).await;
+                lease_lost += target.daemon.duplicates().await;
                 target.daemon.kill9().await;
                 // What it held when it died may be delivered once more by a peer. Read after
                 // the kill (its leases outlive it), once its last log lines (the owners of its
@@ -914,7 +913,7 @@ async fn soak_with_random_kills_and_cuts() {
         "every record sent and removed after the faults"
     );
     for s in fleet {
-        lease_lost += s.daemon.idle_metric(LEASE_LOST).await;
+        lease_lost += s.daemon.idle_duplicates().await;
         s.daemon.stop().await;
     }
     counter.settle(secs(2)).await;

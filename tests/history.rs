@@ -385,6 +385,58 @@ async fn a_failed_history_write_is_counted_and_the_records_still_go_out() {
     env.cleanup().await;
 }
 
+/// Issue 25, 8.7: the failed-send counts are looked up under a deadline of their own, not
+/// inside the write's: a look-up that never answers leaves the counts at 1 and the rows are
+/// still written (before, its deadline ran out with the write's and the whole batch was lost).
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_count_lookup_still_writes_the_rows() {
+    use timeoutd::store::history::{self, Row};
+
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.mongodb.operation_timeout = Duration::from_secs(1);
+    let store = common::csharp::store_with(&config).await;
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    let rows: Vec<Row> = ids
+        .iter()
+        .map(|id| Row {
+            doc: doc! { "event": "fired", "timeout_id": id.to_string(), "attempts": 1_i64 },
+            attempts_of: Some(uuid(*id)),
+        })
+        .collect();
+    // The writer counts what it wrote and lost: read through the process's recorder. (The
+    // rows alone do not tell: an insert abandoned at its deadline may still land.)
+    let recorder = timeoutd::service::http::prometheus();
+    let lost = "timeoutd_history_lost_total{reason=\"write_failed\"}";
+    let written = "timeoutd_history_written_total";
+    let before = recorder.render();
+    fail::cfg("history-attempts-stall", "return").unwrap();
+    let (sink, rx) = history::channel();
+    sink.record(rows);
+    drop(sink);
+    // The writer ends once every sink is gone and what they queued is written (or lost).
+    history::write(store, rx).await;
+    fail::remove("history-attempts-stall");
+    let after = recorder.render();
+    assert_eq!(
+        series(&after, lost),
+        series(&before, lost),
+        "no row lost: {after}"
+    );
+    assert_eq!(
+        series(&after, written) - series(&before, written),
+        ids.len() as f64,
+        "{after}"
+    );
+    let docs = history_docs(&env).await;
+    assert_eq!(docs.len(), ids.len(), "{docs:?}");
+    for id in &ids {
+        assert_eq!(row_of(&docs, *id).get_i64("attempts"), Ok(1));
+    }
+    env.cleanup().await;
+}
+
 /// The TTL index follows `keep`: a changed `keep` changes the index's expiry in place.
 #[tokio::test]
 async fn the_ttl_index_follows_keep() {

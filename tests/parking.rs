@@ -491,3 +491,86 @@ async fn requeue_never_deletes_a_parked_copy_made_again_meanwhile() {
     assert_eq!(env.count(doc! { "_id": uuid(id) }).await, 0);
     env.cleanup().await;
 }
+
+/// Issue 25, 8.4: parking on a lost lease changes nothing. Before, the parked copy stayed
+/// behind and the new holder's failed-send count was deleted: once the new holder had sent
+/// the record, `parked requeue` put it back and it was sent a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parking_on_a_lost_lease_leaves_no_parked_copy_and_keeps_the_count() {
+    use timeoutd::store::Store;
+    use timeoutd::store::clock::ServerClock;
+    use timeoutd::store::parking::{ParkReason, Parked};
+
+    let env = TestEnv::new().await;
+    let store = Store::connect(&env.config().mongodb, ServerClock::default())
+        .await
+        .unwrap();
+    store.refresh_clock().await.unwrap();
+    let parking = store.parking();
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+
+    // A claims it; its lease runs out (set in the past here), and B claims it.
+    let a = store.claim(1, Duration::from_secs(30)).await.unwrap();
+    let row = a.rows.into_iter().next().expect("A claimed the record");
+    env.coll
+        .update_one(
+            doc! { "_id": uuid(id) },
+            doc! { "$set": { "LockExpiresAt": bson::DateTime::from_millis(0) } },
+        )
+        .await
+        .unwrap();
+    let b = store.claim(1, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        b.rows.len(),
+        1,
+        "B claimed the record after A's lease ran out"
+    );
+    assert_eq!(parking.count_failure(&row.id, "refused").await.unwrap(), 1);
+
+    // A, late, parks it: nothing may change.
+    let parked = parking
+        .park(
+            &row.id,
+            &row.raw,
+            a.lease.owner,
+            ParkReason::Unroutable,
+            "no queue",
+            3,
+        )
+        .await
+        .unwrap();
+    assert_eq!(parked, Parked::LeaseLost);
+    assert!(
+        parked_doc(&env, id).await.is_none(),
+        "no parked copy of a record A no longer holds"
+    );
+    assert!(
+        attempts_coll(&env)
+            .find_one(doc! { "_id": uuid(id) })
+            .await
+            .unwrap()
+            .is_some(),
+        "B's failed-send count is kept"
+    );
+    assert_eq!(env.count(doc! { "_id": uuid(id) }).await, 1);
+
+    // B sends it and removes it; a requeue then has nothing to put back.
+    assert_eq!(
+        store
+            .remove_held(std::slice::from_ref(&row.id), b.lease.owner)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(parking.requeue(&row.id).await.unwrap(), None);
+    assert_eq!(env.count(doc! { "_id": uuid(id) }).await, 0);
+    env.cleanup().await;
+}

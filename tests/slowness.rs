@@ -4,7 +4,7 @@
 //! puts the fault on every one of them at start-up or in the middle of a drain, on an empty
 //! collection (records written once the fault is over) or a full one, and then asserts:
 //! - every record is delivered once the fault ends, none lost, every duplicate counted in
-//!   `timeoutd_lease_lost_total` ([`audit`]);
+//!   `timeoutd_possible_duplicates_total` ([`audit`]);
 //! - every instance still dispatches on its own afterwards ([`each_alone_delivers`]): a
 //!   wedged instance cannot hide behind a peer that sent everything;
 //! - where the fault stops an instance from working (a stall, a link it cannot open), its
@@ -237,7 +237,7 @@ async fn run(plan: Plan) -> (usize, f64) {
 
     let mut lease_lost = 0.0;
     for d in &fleet {
-        lease_lost += d.idle_metric(LEASE_LOST).await;
+        lease_lost += d.idle_duplicates().await;
     }
     for d in fleet {
         d.stop().await;

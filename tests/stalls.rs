@@ -127,3 +127,44 @@ async fn sigterm_exits_in_time_when_the_broker_stops_reading_mid_wave() {
     proxy.set(Mode::Forward);
     env.cleanup().await;
 }
+
+/// Issue 25, 8.9: a broker that withholds confirms causes possible duplicates, counted by
+/// their cause, and no lost lease: nothing lost its lease (before, each was counted as one, and
+/// an operator paged on lost leases could not tell a lease problem from a broker outage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfirmed_publishes_are_possible_duplicates_not_lost_leases() {
+    let env = TestEnv::new().await;
+    let proxy = Proxy::start(&host_port(&amqp_uri())).await;
+    let mut config = env.config();
+    config.rabbitmq.uri = proxy.rewrite(&amqp_uri());
+    config.rabbitmq.publish_timeout = Duration::from_secs(1);
+    config.rabbitmq.connect_timeout = Duration::from_secs(1);
+    config.dispatch.lock_lease = Duration::from_secs(120);
+    let d = Daemon::spawn("timeoutd", env.env_vars(&config)).await;
+    assert!(d.ready_is(200, Duration::from_secs(20)).await);
+
+    proxy.set(Mode::Stall);
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    env.insert(
+        ids.iter()
+            .map(|id| v7_record(*id, &env.queue, Uuid::new_v4(), in_ms(-10), doc! {}))
+            .collect(),
+    )
+    .await;
+    let timeout = "timeoutd_possible_duplicates_total{cause=\"timeout\"}";
+    let connection = "timeoutd_possible_duplicates_total{cause=\"connection\"}";
+    let counted = eventually(Duration::from_secs(30), || async {
+        let m = d.metrics().await;
+        common::fleet::series(&m, timeout) + common::fleet::series(&m, connection) >= 5.0
+    })
+    .await;
+    let metrics = d.metrics().await;
+    assert!(counted, "the unconfirmed publishes are counted: {metrics}");
+    assert_eq!(
+        common::fleet::series(&metrics, "timeoutd_lease_lost_total"),
+        0.0,
+        "no lease was lost: {metrics}"
+    );
+    proxy.set(Mode::Forward);
+    env.cleanup().await;
+}

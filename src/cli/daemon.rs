@@ -135,7 +135,10 @@ pub async fn run_with(
     // One deadline for everything after shutdown began: the drain (the dispatch loop bounds
     // its own wait by shutdown_timeout; the margin covers the releases that follow), the
     // lasting tasks and the MongoDB client's close share `shutdown_timeout` + SHUTDOWN_GRACE.
-    let drain = config.dispatch.shutdown_timeout + SHUTDOWN_GRACE;
+    let drain = config
+        .dispatch
+        .shutdown_timeout
+        .saturating_add(SHUTDOWN_GRACE);
     #[allow(unused_mut)]
     let (supervised, mut deadline) = tasks.watch(drain).await;
     // Tests only: keep answering 503 a while after a failure, so that a probe sees it.

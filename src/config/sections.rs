@@ -231,6 +231,12 @@ impl DispatchConfig {
         self.look_ahead
             .unwrap_or(self.poll_interval.saturating_mul(2))
     }
+
+    /// What one instance's claims reach over: a poll interval and the look-ahead (saturating:
+    /// the durations of a file can be absurd).
+    pub fn claim_window(&self) -> Duration {
+        self.poll_interval.saturating_add(self.look_ahead())
+    }
 }
 
 impl Default for DispatchConfig {

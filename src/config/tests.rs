@@ -245,3 +245,15 @@ fn redacted_toml_hides_passwords_and_round_trips() {
     assert_eq!(back.reaper_interval(), c.reaper_interval());
     assert_eq!(back.dispatch, c.dispatch);
 }
+
+/// The review of issue 25: the claim window (a poll interval and the look-ahead) saturates
+/// rather than panic on absurd durations.
+#[test]
+fn the_claim_window_saturates() {
+    let d = DispatchConfig {
+        poll_interval: std::time::Duration::MAX,
+        look_ahead: Some(std::time::Duration::MAX),
+        ..DispatchConfig::default()
+    };
+    assert_eq!(d.claim_window(), std::time::Duration::MAX);
+}

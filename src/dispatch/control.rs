@@ -40,7 +40,7 @@ impl Dispatcher {
     pub(super) fn excluded_destinations(&self) -> Vec<String> {
         let mut excluded = self.control.paused.clone();
         let d = &self.config.dispatch;
-        let window = (d.poll_interval + d.look_ahead()).as_secs_f64();
+        let window = d.claim_window().as_secs_f64();
         let now_ms = self.store.clock().now().timestamp_millis();
         let limited = d
             .destination
@@ -65,7 +65,7 @@ impl Dispatcher {
     /// interval and the look-ahead: then it claims nothing more for now.
     pub(super) fn rate_saturated(&self) -> bool {
         let d = &self.config.dispatch;
-        let window = (d.poll_interval + d.look_ahead()).as_secs_f64();
+        let window = d.claim_window().as_secs_f64();
         d.max_rate
             .is_some_and(|r| self.held.len() as f64 >= (r * window).max(1.0))
     }

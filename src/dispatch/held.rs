@@ -167,7 +167,8 @@ impl ClaimSchedule {
         self.next_at = if more || std::mem::take(&mut self.woken) {
             Instant::now()
         } else {
-            started + self.poll
+            // `poll_interval` comes from the configuration: it may be absurd.
+            crate::deadline::later(started, self.poll)
         };
     }
 

@@ -410,7 +410,7 @@ impl Dispatcher {
             self.link_task = None;
             self.end_wave();
             let n = self.in_flight.len();
-            m::lease_lost(n);
+            m::possible_duplicates(m::DUPLICATE_PANIC, n);
             let in_flight = std::mem::take(&mut self.in_flight);
             self.release_records(in_flight, "publish_failed");
             // The same broker, and the watch the loop reads (issue 25, 8.8: a publisher built
@@ -539,7 +539,7 @@ impl Drop for Dispatcher {
                 records = unsettled,
                 "the dispatch loop ended with sent records not removed; they may be sent again after the lease"
             );
-            m::possible_duplicates("removal_abandoned", unsettled);
+            m::possible_duplicates(m::DUPLICATE_SHUTDOWN, unsettled);
         }
     }
 }

@@ -335,14 +335,13 @@ async fn park(
         )
         .await
     {
-        Ok(parked) => {
-            if parked == Parked::Moved {
-                m::parked(reason.as_str());
-                tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), attempts, error, "record parked");
-            } else {
-                m::lease_lost(1);
-                tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), "record copied to parking, but its lease was lost: it is also still in Timeouts");
-            }
+        Ok(Parked::LeaseLost) => {
+            m::lease_lost(1);
+            tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), "record not parked: its lease was lost (another owner holds it, or it ran out); the parked copy was taken back");
+        }
+        Ok(Parked::Moved) => {
+            m::parked(reason.as_str());
+            tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), attempts, error, "record parked");
             if let Some(sink) = history {
                 let ended = Ended {
                     event: history::event::PARKED,
@@ -389,7 +388,7 @@ impl Drop for Unremoved<'_> {
         for (_, r) in self.confirmed {
             tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "removal of a sent record abandoned; it stays leased and may be sent again after the lease");
         }
-        m::possible_duplicates("removal_abandoned", self.confirmed.len());
+        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.confirmed.len());
     }
 }
 
@@ -436,7 +435,7 @@ async fn removal_attempts(
             for (_, r) in confirmed {
                 tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
             }
-            m::lease_lost(confirmed.len());
+            sent_and_lost(confirmed.len());
             return;
         }
         let removal = tokio::select! {
@@ -445,7 +444,7 @@ async fn removal_attempts(
             _ = drain_over.cancelled() => {
                 // The delete may still land on the server; if it does not, the records are
                 // sent again after the lease.
-                m::possible_duplicates("shutdown", confirmed.len());
+                m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
                 tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
                 return;
             }
@@ -476,7 +475,7 @@ async fn removal_attempts(
                 return;
             }
             Err(e) if shutdown.is_cancelled() => {
-                m::possible_duplicates("shutdown", confirmed.len());
+                m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
                 tracing::warn!(%owner, records = ids.len(), error = %e, "removing sent records failed during shutdown; they stay leased and may be sent again after the lease");
                 return;
             }
@@ -510,7 +509,7 @@ async fn account_for_shortfall(
     live: bool,
 ) -> usize {
     if !live {
-        m::lease_lost(short);
+        sent_and_lost(short);
         tracing::warn!(%owner, records = short, "lease ran out before the sent records could be removed; a peer may send them again");
         return 0;
     }
@@ -523,15 +522,22 @@ async fn account_for_shortfall(
                     tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
                 })
                 .count();
-            m::lease_lost(lost);
+            sent_and_lost(lost);
             short.saturating_sub(lost)
         }
         Err(e) => {
-            m::lease_lost(short);
+            sent_and_lost(short);
             tracing::warn!(%owner, error = %e, records = short, "lease lost on some sent records; could not name them");
             0
         }
     }
+}
+
+/// `n` confirmed records whose lease was lost before their removal: a lost lease, and a
+/// possible duplicate (whoever holds them now sends them again).
+fn sent_and_lost(n: usize) {
+    m::lease_lost(n);
+    m::possible_duplicates(m::DUPLICATE_LEASE_LOST, n);
 }
 
 /// Groups items by the lease of the claim that took them, in first-seen order.

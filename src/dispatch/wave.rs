@@ -89,9 +89,13 @@ impl Dispatcher {
                     summary.failed += 1;
                     if other.outcome_unknown() {
                         // The broker may have it: releasing lets a peer send it again, a
-                        // possible duplicate, counted as a lost lease.
+                        // possible duplicate, counted by its cause.
                         tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
-                        m::lease_lost(1);
+                        let cause = match other {
+                            SendOutcome::TimedOut => m::DUPLICATE_TIMEOUT,
+                            _ => m::DUPLICATE_CONNECTION,
+                        };
+                        m::possible_duplicates(cause, 1);
                         unconfirmed = true;
                     } else {
                         tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");

@@ -43,6 +43,25 @@ pub const RELEASED_REASONS: &[&str] = &[
 pub const HELD_BACK_REASONS: &[&str] = &["paused", "rate_limit"];
 /// `timeoutd_publish_failures_total{reason}`.
 pub const PUBLISH_FAILURE_REASONS: &[&str] = &["returned", "nacked", "timeout", "connection"];
+/// `timeoutd_possible_duplicates_total{cause}`: why a record may be delivered twice.
+pub const POSSIBLE_DUPLICATE_CAUSES: &[&str] = &[
+    DUPLICATE_TIMEOUT,
+    DUPLICATE_CONNECTION,
+    DUPLICATE_PANIC,
+    DUPLICATE_SHUTDOWN,
+    DUPLICATE_LEASE_LOST,
+];
+/// No confirm came before the publisher stopped waiting (confirms withheld, a slow broker).
+pub const DUPLICATE_TIMEOUT: &str = "timeout";
+/// The connection or channel failed after the message went out.
+pub const DUPLICATE_CONNECTION: &str = "connection";
+/// The task publishing a wave panicked or was cancelled with the wave in flight.
+pub const DUPLICATE_PANIC: &str = "panic";
+/// Confirmed, but shutdown cut the removal short (or the loop ended unsettled): the record stays leased and is sent again
+/// after its lease.
+pub const DUPLICATE_SHUTDOWN: &str = "shutdown";
+/// Confirmed, but the lease was lost before the removal: whoever holds the record now sends it.
+pub const DUPLICATE_LEASE_LOST: &str = "lease_lost";
 /// `timeoutd_dependency_up{dependency}`.
 pub const DEPENDENCIES: &[&str] = &[MONGODB, RABBITMQ];
 /// `timeoutd_mongodb_call_seconds{call}`: the dispatch path's calls, one per lease step, then
@@ -174,7 +193,18 @@ pub const SERIES: &[Series] = &[
         "timeoutd_lease_lost_total",
         Counter,
         Some(Unit::Count),
-        "Guarded deletes or releases that matched nothing because the lease had passed to another owner: a possible duplicate delivery.",
+        "Records whose guarded write (the removal after a confirmed send, a refused send's deferral, parking) matched nothing because their lease had run out or another owner held them: a lease problem (lock_lease too short for the database or the settle work). Duplicates are counted in timeoutd_possible_duplicates_total.",
+    ),
+    labelled(
+        series(
+            "timeoutd_possible_duplicates_total",
+            Counter,
+            Some(Unit::Count),
+            "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
+        ),
+        "cause",
+        POSSIBLE_DUPLICATE_CAUSES,
+        Start::Zero,
     ),
     series(
         "timeoutd_reaped_total",

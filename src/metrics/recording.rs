@@ -31,20 +31,20 @@ pub fn released(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_released_total", "reason" => reason).increment(n as u64);
 }
 
+/// `n` records whose guarded write (the removal after a confirmed send, a refused send's
+/// deferral, parking) matched nothing because their lease had run out or another owner held
+/// them. A lease problem; whether it may also cause a duplicate is counted apart
+/// ([`possible_duplicates`]).
 pub fn lease_lost(n: usize) {
     metrics::counter!("timeoutd_lease_lost_total").increment(n as u64);
 }
 
-/// `n` records were published (confirmed or of unknown outcome) and stay leased to this
-/// instance without being removed, for `reason`: whoever claims them after the lease sends
-/// them again.
-///
-/// Counted in `timeoutd_lease_lost_total` for now, the series that counts possible duplicates
-/// today; issue 25, 8.9 gives each meaning its own series, and this function is the one place
-/// to change for it.
-pub fn possible_duplicates(reason: &'static str, n: usize) {
-    let _ = reason;
-    metrics::counter!("timeoutd_lease_lost_total").increment(n as u64);
+/// `n` records that may be delivered twice, by cause (one of
+/// [`super::POSSIBLE_DUPLICATE_CAUSES`]): a publish whose outcome is unknown (`timeout`,
+/// `connection`, `panic`), a confirmed record left leased when shutdown cut its removal short
+/// (`shutdown`), or one whose lease was lost before its removal (`lease_lost`).
+pub fn possible_duplicates(cause: &'static str, n: usize) {
+    metrics::counter!("timeoutd_possible_duplicates_total", "cause" => cause).increment(n as u64);
 }
 
 pub fn reaped(n: u64) {

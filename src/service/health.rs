@@ -50,7 +50,11 @@ impl Health {
             draining: AtomicBool::new(false),
             failed: std::sync::Mutex::new(None),
             // The default lease_safety_margin (2 s) and twice the default operation_timeout.
-            progress: Progress::new(poll_interval * 3 + Duration::from_secs(22)),
+            progress: Progress::new(
+                poll_interval
+                    .saturating_mul(3)
+                    .saturating_add(Duration::from_secs(22)),
+            ),
         }
     }
 
@@ -127,13 +131,17 @@ impl Health {
         if self.failed_task().is_some() {
             return false;
         }
-        let allowance = (self.poll_interval * 3)
-            .max(Duration::from_secs(3))
-            .as_millis() as i64;
+        let allowance = i64::try_from(
+            self.poll_interval
+                .saturating_mul(3)
+                .max(Duration::from_secs(3))
+                .as_millis(),
+        )
+        .unwrap_or(i64::MAX);
         let now = self.started.elapsed().as_millis() as i64;
         match self.last_poll_ms.load(Ordering::Relaxed) {
-            -1 => now <= allowance + 30_000,
-            last => now - last <= allowance,
+            -1 => now <= allowance.saturating_add(30_000),
+            last => now.saturating_sub(last) <= allowance,
         }
     }
 
@@ -166,6 +174,29 @@ impl Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The review of issue 25: durations that pass validation can still be absurd, and the
+    /// sums and products over them panicked in debug builds (`poll_interval * 3` here).
+    #[test]
+    fn absurd_configured_durations_never_overflow() {
+        let c = crate::config::Config::from_toml(
+            "[dispatch]\npoll_interval = \"200000000000years\"\nlook_ahead = \"1s\"\n\
+             lock_lease = \"500000000000years\"\nshutdown_timeout = \"18446744073709551615s\"\n\
+             [mongodb]\noperation_timeout = \"500000000000years\"\n",
+        )
+        .expect("absurd but valid");
+        let h = Health::new(c.dispatch.poll_interval)
+            .with_stall_after(crate::service::progress::stall_after(&c));
+        assert!(h.is_live());
+        h.waiting(c.dispatch.shutdown_timeout);
+        assert!(h.is_live());
+        assert_eq!(
+            c.dispatch.claim_window(),
+            c.dispatch.poll_interval + Duration::from_secs(1)
+        );
+        let now = tokio::time::Instant::now();
+        assert!(crate::deadline::later(now, c.dispatch.shutdown_timeout) > now);
+    }
 
     #[test]
     fn ready_only_with_both_services_and_not_draining() {

@@ -1,8 +1,11 @@
 //! The HTTP endpoints on `[http] listen`: `GET /metrics` (Prometheus text format),
 //! `GET /healthz` (liveness), `GET /readyz` (readiness). Nothing here changes state.
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -26,7 +29,28 @@ pub const DURATION_BUCKETS: &[f64] = &[
     5.0, 10.0, 30.0,
 ];
 
-/// Installs the Prometheus recorder once per process and returns its handle.
+/// How often the exporter's upkeep runs, scraped or not: it drains each histogram's recorded
+/// samples into its buckets. Without it the samples pile up until the next scrape, and a
+/// deployment that scrapes rarely or never grows without bound (issue 25, 8.10).
+pub const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+static UPKEEPS: AtomicU64 = AtomicU64::new(0);
+
+/// The exporter's upkeep: histogram samples into their buckets, and the calls-in-flight gauge.
+/// Run every [`UPKEEP_EVERY`] by [`serve`] and before each scrape renders.
+pub fn upkeep(prometheus: &PrometheusHandle) {
+    crate::metrics::calls_in_flight(crate::deadline::in_flight());
+    prometheus.run_upkeep();
+    UPKEEPS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many times [`upkeep`] ran in this process.
+pub fn upkeeps() -> u64 {
+    UPKEEPS.load(Ordering::Relaxed)
+}
+
+/// Installs the Prometheus recorder once per process and returns its handle. The recorder is
+/// built without the crate's own upkeep task ([`serve`] runs [`upkeep`]).
 pub fn prometheus() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
@@ -77,8 +101,7 @@ fn router(state: AppState) -> Router {
 async fn metrics(State(s): State<AppState>) -> Response {
     crate::metrics::ready(s.health.readiness().ready);
     crate::metrics::due_unclaimed(s.health.progress().unclaimed_for());
-    crate::metrics::calls_in_flight(crate::deadline::in_flight());
-    s.prometheus.run_upkeep();
+    upkeep(&s.prometheus);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         s.prometheus.render(),
@@ -111,19 +134,65 @@ pub async fn bind(listen: SocketAddr) -> std::io::Result<(TcpListener, SocketAdd
     Ok((listener, addr))
 }
 
-/// Serves until `stop` is cancelled.
+/// Serves until `stop` is cancelled, and runs the exporter's [`upkeep`] every
+/// [`UPKEEP_EVERY`] meanwhile, whether anything scrapes or not.
 pub async fn serve(
     listener: TcpListener,
     health: Arc<Health>,
     prometheus: PrometheusHandle,
     stop: CancellationToken,
 ) {
+    let kept = prometheus.clone();
     let state = AppState { health, prometheus };
-    let result = axum::serve(listener, router(state))
+    let server = axum::serve(listener, router(state))
         .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await;
+        .into_future();
+    let upkeeping = async move {
+        let mut every = tokio::time::interval(UPKEEP_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            upkeep(&kept);
+        }
+    };
+    let result = tokio::select! {
+        result = server => result,
+        // The upkeep never ends on its own.
+        _ = upkeeping => Ok(()),
+    };
     if let Err(e) = result {
         tracing::warn!(error = %e, "HTTP server stopped");
     }
     crate::service::shutdown::stall().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 25, 8.10: the exporter's upkeep (which drains histogram samples into their
+    /// buckets) runs while nothing scrapes `/metrics`; before, only a scrape ran it.
+    #[tokio::test(start_paused = true)]
+    async fn upkeep_runs_without_a_scrape() {
+        let handle = PrometheusBuilder::new().build_recorder().handle();
+        let (listener, _) = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await.unwrap();
+        let serving = serve(
+            listener,
+            Arc::new(Health::new(Duration::from_secs(1))),
+            handle,
+            CancellationToken::new(),
+        );
+        let before = upkeeps();
+        // Virtual time: three upkeep periods pass at once, and no request is made.
+        let three_periods = tokio::time::sleep(UPKEEP_EVERY * 3 + Duration::from_millis(1));
+        tokio::select! {
+            () = serving => panic!("the server stopped on its own"),
+            () = three_periods => {}
+        }
+        let ran = upkeeps() - before;
+        assert!(
+            ran >= 3,
+            "upkeep ran {ran} times in three periods without a scrape"
+        );
+    }
 }

@@ -110,7 +110,7 @@ impl Supervisor {
                 }
             }
         }
-        let deadline = tokio::time::Instant::now() + drain;
+        let deadline = crate::deadline::later(tokio::time::Instant::now(), drain);
         let drained = tokio::time::timeout_at(deadline, async {
             while self.tasks.len() > self.lasting {
                 let Some(joined) = self.tasks.join_next_with_id().await else {

@@ -173,10 +173,8 @@ pub async fn write(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
             rows.extend(more);
         }
         let n = rows.len();
-        match store
-            .bounded("write history", store.write_history(rows))
-            .await
-        {
+        // Each MongoDB call of the write carries its own deadline (see `write_history`).
+        match store.write_history(rows).await {
             Ok(()) => m::history_written(n),
             Err(e) => {
                 m::history_lost("write_failed", n);
@@ -184,6 +182,15 @@ pub async fn write(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
             }
         }
     }
+}
+
+/// A record id as a map key: its BSON encoding, so that ids of different types stay apart, as
+/// the equality the rows were matched by before.
+fn id_key(id: &Bson) -> Vec<u8> {
+    let mut key = Vec::new();
+    // Writing to a Vec fails only for a document too large for BSON, which no id is.
+    let _ = doc! { "": id.clone() }.to_writer(&mut key);
+    key
 }
 
 /// An integer field of a stored row, of either width.
@@ -241,8 +248,10 @@ impl Store {
         Ok(())
     }
 
-    /// Writes rows, their attempt counts looked up first (a failed look-up leaves them at
-    /// 1: the rows matter more than the count).
+    /// Writes rows, their attempt counts looked up first. The look-up and the insert are two
+    /// calls, each under its own `[mongodb] operation_timeout`: a look-up that fails or times
+    /// out leaves the counts at 1 and the rows are still written (the rows matter more than
+    /// the count), never lost with it.
     pub async fn write_history(&self, mut rows: Vec<Row>) -> Result<(), StoreError> {
         // Tests only: a history write that fails.
         #[cfg(feature = "failpoints")]
@@ -255,37 +264,65 @@ impl Store {
         }
         let ids: Vec<Bson> = rows.iter().filter_map(|r| r.attempts_of.clone()).collect();
         if !ids.is_empty() {
-            let counted: Result<Vec<Document>, StoreError> = self
-                .query(async {
-                    self.attempts
-                        .find(doc! { "_id": { "$in": &ids } })
-                        .projection(doc! { "attempts": 1 })
-                        .max_time(self.server_limit())
-                        .await?
-                        .try_collect()
-                        .await
-                })
-                .await;
-            match counted {
+            match self
+                .bounded(
+                    "read failed-send counts for history",
+                    self.attempt_counts(&ids),
+                )
+                .await
+            {
                 Ok(counts) => {
-                    for c in &counts {
-                        let failed = int(c, "attempts").unwrap_or(0).max(0);
-                        for r in rows
-                            .iter_mut()
-                            .filter(|r| r.attempts_of.as_ref() == c.get("_id"))
-                        {
+                    for r in &mut rows {
+                        let failed = r
+                            .attempts_of
+                            .as_ref()
+                            .and_then(|id| counts.get(&id_key(id)));
+                        if let Some(failed) = failed {
                             r.doc.insert(field::ATTEMPTS, failed.saturating_add(1));
                         }
                     }
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, "could not read failed-send counts for history")
+                    tracing::debug!(error = %e, "could not read failed-send counts for history; writing the rows without them")
                 }
             }
         }
         let docs: Vec<Document> = rows.into_iter().map(|r| r.doc).collect();
-        self.query(self.history().insert_many(docs).ordered(false))
+        self.bounded("write history", async {
+            Ok(self
+                .history()
+                .insert_many(docs)
+                .ordered(false)
+                .await
+                .map(|_| ())?)
+        })
+        .await
+    }
+
+    /// The failed-send counts of `ids`, by [`id_key`] (one pass, however many rows).
+    async fn attempt_counts(
+        &self,
+        ids: &[Bson],
+    ) -> Result<std::collections::HashMap<Vec<u8>, i64>, StoreError> {
+        // Tests only: a look-up that never answers (its deadline ends it).
+        #[cfg(feature = "failpoints")]
+        if fail::eval("history-attempts-stall", |_| ()).is_some() {
+            std::future::pending::<()>().await;
+        }
+        let counted: Vec<Document> = self
+            .attempts
+            .find(doc! { "_id": { "$in": ids } })
+            .projection(doc! { "attempts": 1 })
+            .max_time(self.server_limit())
+            .await?
+            .try_collect()
             .await?;
-        Ok(())
+        Ok(counted
+            .iter()
+            .filter_map(|c| {
+                let id = c.get("_id")?;
+                Some((id_key(id), int(c, "attempts").unwrap_or(0).max(0)))
+            })
+            .collect())
     }
 }

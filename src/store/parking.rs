@@ -6,7 +6,10 @@
 //! `<collection>_attempts`, never in the record. After `[retry] max_attempts` failures, or at
 //! once for a record the decoder rejects, the record is copied to `<collection>_parked` with
 //! the reason, and only then deleted from `Timeouts` under the owner guard: a crash in between
-//! leaves two copies, never none.
+//! leaves two copies, never none. Parking is all or nothing with respect to the lease: when
+//! the guarded delete matches nothing (the lease ran out, another owner holds the record, or
+//! sent it and deleted it), the parked copy is removed again and the failed-send count, which
+//! is the new holder's now, is left alone.
 
 use std::time::Duration;
 
@@ -82,9 +85,10 @@ impl ParkReason {
 pub enum Parked {
     /// Copied to the parking collection and removed from `Timeouts`.
     Moved,
-    /// Copied, but the record was no longer ours to delete (lease lost): it stays in
-    /// `Timeouts` too, and `parked requeue` will say so.
-    CopiedLeaseLost,
+    /// Not parked: the record was no longer ours to delete (the lease ran out or another
+    /// owner holds it). The parked copy was removed again and the failed-send count left to
+    /// whoever holds the record now; nothing was changed.
+    LeaseLost,
 }
 
 /// One parked record, as `timeoutd parked list` shows it.
@@ -207,7 +211,10 @@ impl Parking {
     }
 
     /// Copies `raw` (record `id`, held by `owner`) to the parking collection, then deletes it
-    /// from `Timeouts` under the owner guard and forgets its failed-send count.
+    /// from `Timeouts` under the owner guard (owner and live lease). Only when that delete
+    /// matched is its failed-send count forgotten; when it matched nothing the lease was lost,
+    /// and this parked copy (told from any other by its `park_id`) is deleted again, so that a
+    /// later `parked requeue` cannot send a record another owner has delivered meanwhile.
     pub async fn park(
         &self,
         id: &Bson,
@@ -217,6 +224,7 @@ impl Parking {
         error: &str,
         attempts: u32,
     ) -> Result<Parked, StoreError> {
+        let park_id = crate::record::uuid_bson(crate::host::uuid());
         let parked = doc! {
             field::ID: id.clone(),
             parked_field::RECORD: lease::as_free(raw.clone()),
@@ -224,7 +232,7 @@ impl Parking {
             parked_field::ERROR: error,
             parked_field::ATTEMPTS: i64::from(attempts),
             parked_field::PARKED_AT: self.clock.now(),
-            parked_field::PARK_ID: crate::record::uuid_bson(crate::host::uuid()),
+            parked_field::PARK_ID: park_id.clone(),
         };
         self.parked
             .replace_one(doc! { field::ID: id.clone() }, parked)
@@ -234,14 +242,17 @@ impl Parking {
             .timeouts
             .delete_one(lease::held_one(id, owner, self.clock.now()))
             .await?;
-        self.attempts
-            .delete_one(doc! { field::ID: id.clone() })
+        if deleted.deleted_count == 1 {
+            self.attempts
+                .delete_one(doc! { field::ID: id.clone() })
+                .await?;
+            return Ok(Parked::Moved);
+        }
+        // Not ours any more: take back this copy, and only this one.
+        self.parked
+            .delete_one(doc! { field::ID: id.clone(), parked_field::PARK_ID: park_id })
             .await?;
-        Ok(if deleted.deleted_count == 1 {
-            Parked::Moved
-        } else {
-            Parked::CopiedLeaseLost
-        })
+        Ok(Parked::LeaseLost)
     }
 
     /// Every parked record, oldest first.

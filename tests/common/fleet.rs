@@ -212,6 +212,17 @@ impl Daemon {
         series(&self.idle_metrics().await, name)
     }
 
+    /// Records this instance counted as possibly delivered twice, summed over the causes
+    /// ([`duplicates`]).
+    pub async fn duplicates(&self) -> f64 {
+        duplicates(&self.metrics().await)
+    }
+
+    /// [`Daemon::duplicates`] once no batch is in flight.
+    pub async fn idle_duplicates(&self) -> f64 {
+        duplicates(&self.idle_metrics().await)
+    }
+
     /// Waits up to `within` for `/readyz` to answer `code`.
     pub async fn ready_is(&self, code: u16, within: Duration) -> bool {
         eventually(within, || async { self.get("/readyz").await.0 == code }).await
@@ -260,6 +271,16 @@ pub fn series(metrics: &str, name: &str) -> f64 {
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// `timeoutd_possible_duplicates_total`, summed over its causes: every record that may be
+/// delivered twice.
+pub fn duplicates(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("timeoutd_possible_duplicates_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
 }
 
 #[derive(Default)]

@@ -4,8 +4,8 @@
 //! Every scenario checks the same three rules:
 //! - no record is lost: each one is delivered at least once and the collection ends empty;
 //! - no duplicate where the lease protocol forbids one;
-//! - every duplicate a fault forces is counted in `timeoutd_lease_lost_total` (summed over the
-//!   instances, scraped before each one stops) or is explained by a record that a killed
+//! - every duplicate a fault forces is counted in `timeoutd_possible_duplicates_total` (summed
+//!   over its causes and the instances, scraped before each one stops) or is explained by a record that a killed
 //!   instance held when it died (one extra delivery each).
 
 use std::collections::BTreeSet;
@@ -20,6 +20,8 @@ use super::proxy::{Mode, Proxy, host_port};
 use super::{TestEnv, amqp_uri, eventually, mongo_uri, with_query};
 
 pub const LEASE_LOST: &str = "timeoutd_lease_lost_total";
+/// Where every possible duplicate is counted, by cause ([`super::fleet::duplicates`] sums them).
+pub const DUPLICATES: &str = "timeoutd_possible_duplicates_total";
 
 pub fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
@@ -117,7 +119,7 @@ pub fn audit(
     );
     assert!(
         unexplained as f64 <= lease_lost,
-        "{scenario}: {unexplained} duplicate deliveries are neither counted in {LEASE_LOST} ({lease_lost}) nor explained by a killed instance; duplicated records: {:?}",
+        "{scenario}: {unexplained} duplicate deliveries are neither counted in {DUPLICATES} ({lease_lost}) nor explained by a killed instance; duplicated records: {:?}",
         counts
             .iter()
             .filter(|(_, c)| **c > 1)
