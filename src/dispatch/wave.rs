@@ -2,7 +2,7 @@
 //! a time, by a task that owns the link for the length of the wave), and settling each record
 //! of a wave as soon as the wave's outcomes are known.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
