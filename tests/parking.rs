@@ -520,7 +520,10 @@ async fn only_the_holder_counts_a_failed_send() {
     let row = claim.rows.into_iter().next().expect("claimed the record");
     let owner = claim.lease.owner;
     assert_eq!(
-        parking.count_failure(&row.id, owner, "no queue").await.unwrap(),
+        parking
+            .count_failure(&row.id, owner, "no queue")
+            .await
+            .unwrap(),
         Some(1)
     );
     // Another instance holds the record now (as after this lease ran out and a claim took it).
@@ -532,7 +535,10 @@ async fn only_the_holder_counts_a_failed_send() {
         .await
         .unwrap();
     assert_eq!(
-        parking.count_failure(&row.id, owner, "no queue").await.unwrap(),
+        parking
+            .count_failure(&row.id, owner, "no queue")
+            .await
+            .unwrap(),
         None,
         "the stale holder counts nothing"
     );

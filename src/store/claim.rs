@@ -218,9 +218,7 @@ impl Store {
         let mut found: Vec<(DateTime, Document)> = Vec::new();
         for docs in Self::timed(
             "find",
-            futures::future::try_join_all(
-                reads.map(IntoFuture::into_future),
-            ),
+            futures::future::try_join_all(reads.map(IntoFuture::into_future)),
         )
         .await?
         {

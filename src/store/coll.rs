@@ -122,7 +122,11 @@ impl Coll {
     }
 
     /// `findAndModify`: the document before the update, unless [`Call::return_new`].
-    pub fn find_one_and_update(&self, filter: Document, update: Document) -> Call<Option<Document>> {
+    pub fn find_one_and_update(
+        &self,
+        filter: Document,
+        update: Document,
+    ) -> Call<Option<Document>> {
         let op = Op::FindOneAndUpdate {
             filter,
             update,
@@ -138,7 +142,13 @@ impl Coll {
     }
 
     pub fn delete_one(&self, filter: Document) -> Call<Written> {
-        self.call(Op::Delete { filter, many: false }, written)
+        self.call(
+            Op::Delete {
+                filter,
+                many: false,
+            },
+            written,
+        )
     }
 
     pub fn delete_many(&self, filter: Document) -> Call<Written> {
@@ -154,11 +164,20 @@ impl Coll {
     }
 
     pub fn insert_many(&self, docs: Vec<Document>) -> Call<Written> {
-        self.call(Op::Insert { docs, ordered: true }, written)
+        self.call(
+            Op::Insert {
+                docs,
+                ordered: true,
+            },
+            written,
+        )
     }
 
     /// A change stream of the collection, filtered by `pipeline`: raw change events.
-    pub fn watch(&self, pipeline: Vec<Document>) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+    pub fn watch(
+        &self,
+        pipeline: Vec<Document>,
+    ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
         self.backend.watch(&self.name, pipeline)
     }
 }

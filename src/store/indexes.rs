@@ -70,7 +70,9 @@ impl Store {
     /// index made redundant that way (created before v7's appeared) is to be dropped; no
     /// index timeoutd did not create is ever touched.
     pub async fn index_plan(&self) -> Result<IndexPlan, StoreError> {
-        let existing = self.query(list_indexes(&self.coll, self.server_limit())).await?;
+        let existing = self
+            .query(list_indexes(&self.coll, self.server_limit()))
+            .await?;
         let served = |first: &str, ours: &str| {
             existing
                 .iter()
@@ -165,8 +167,12 @@ impl Store {
         let Some((other, theirs)) = &self.other_spelling else {
             return;
         };
-        let ours = self.query(estimated_count(&self.coll, self.server_limit())).await;
-        let theirs = self.query(estimated_count(theirs, self.server_limit())).await;
+        let ours = self
+            .query(estimated_count(&self.coll, self.server_limit()))
+            .await;
+        let theirs = self
+            .query(estimated_count(theirs, self.server_limit()))
+            .await;
         if let (Ok(0), Ok(n)) = (ours, theirs)
             && n > 0
         {
@@ -216,7 +222,8 @@ pub(crate) async fn list_indexes(
     coll: &Coll,
     limit: Duration,
 ) -> Result<Vec<(String, Document)>, MongoError> {
-    let command = doc! { "listIndexes": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+    let command =
+        doc! { "listIndexes": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
     let reply = match coll.backend().command(command).await {
         Ok(reply) => reply,
         Err(e) if namespace_not_found(&e) => return Ok(Vec::new()),

@@ -117,7 +117,11 @@ impl Store {
     }
 
     /// A store over `backend`, the driver or a model, for the collections `config` names.
-    pub fn with_backend(backend: Arc<dyn Backend>, config: &MongoConfig, clock: ServerClock) -> Self {
+    pub fn with_backend(
+        backend: Arc<dyn Backend>,
+        config: &MongoConfig,
+        clock: ServerClock,
+    ) -> Self {
         let coll = |name: &str| Coll::new(backend.clone(), name);
         Self {
             coll: coll(&config.collection),
@@ -394,7 +398,10 @@ impl Store {
         }
         let r = self
             .coll
-            .update_many(lease::expired_among(&ids, now), lease::release_update(self.uuids))
+            .update_many(
+                lease::expired_among(&ids, now),
+                lease::release_update(self.uuids),
+            )
             .await?;
         if r.modified > 0 {
             self.head.forget();
@@ -555,20 +562,46 @@ mod tests {
     async fn the_reaper_reads_ids_under_max_time_then_frees_by_id() {
         let ids = [Bson::Int32(1), Bson::Int32(2)];
         let backend = Arc::new(Recording {
-            found: ids.iter().map(|id| doc! { field::ID: id.clone() }).collect(),
+            found: ids
+                .iter()
+                .map(|id| doc! { field::ID: id.clone() })
+                .collect(),
             ..Recording::default()
         });
         let store = store(backend.clone());
         assert_eq!(store.reap().await.expect("reap"), 2);
-        let ops = backend.ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let [(_, Op::Find { filter: read, limit, max_time, .. }), (_, Op::Update { filter: write, many: true, .. })] =
-            ops.as_slice()
+        let ops = backend
+            .ops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let [
+            (
+                _,
+                Op::Find {
+                    filter: read,
+                    limit,
+                    max_time,
+                    ..
+                },
+            ),
+            (
+                _,
+                Op::Update {
+                    filter: write,
+                    many: true,
+                    ..
+                },
+            ),
+        ] = ops.as_slice()
         else {
             panic!("not a bounded read then a write: {ops:?}");
         };
         assert_eq!(*limit, Some(REAP_BATCH));
         assert_eq!(*max_time, Some(store.server_limit()));
-        let clauses = write.get_array("$and").expect("an $and of _id and the guard");
+        let clauses = write
+            .get_array("$and")
+            .expect("an $and of _id and the guard");
         assert_eq!(
             clauses.first(),
             Some(&Bson::Document(doc! { field::ID: { "$in": ids.to_vec() } }))
@@ -583,7 +616,11 @@ mod tests {
     async fn the_reaper_writes_nothing_when_nothing_expired() {
         let backend = Arc::new(Recording::default());
         assert_eq!(store(backend.clone()).reap().await.expect("reap"), 0);
-        let ops = backend.ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let ops = backend
+            .ops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         assert!(matches!(ops.as_slice(), [(_, Op::Find { .. })]), "{ops:?}");
     }
 
