@@ -30,7 +30,7 @@ pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 /// How long after `shutdown_timeout` the daemon may take, in all, for the dispatch loop's
 /// releases, the HTTP endpoints and closing the MongoDB client: the exit after a SIGTERM is
 /// bounded by `shutdown_timeout` + `SHUTDOWN_GRACE`.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+pub const SHUTDOWN_GRACE: Duration = crate::service::shutdown::GRACE;
 
 /// What stops the daemon, other than a signal.
 #[derive(Debug, thiserror::Error)]
@@ -311,9 +311,17 @@ async fn read_server_clock(store: &Store, health: &Health) -> Result<i64, StoreE
 async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &CancellationToken) -> bool {
     let mut backoff = Backoff::reconnect();
     loop {
+        // Liveness is about the process, not about MongoDB (readiness reports that): the
+        // attempt below is bounded by operation_timeout, so while it runs the process does
+        // what it should, and a restart would not bring MongoDB back. Liveness counts from the
+        // attempt's deadline; an attempt that overran it would still turn /healthz 503.
+        health.waiting(store.operation_timeout());
         match read_server_clock(store, health).await {
             Ok(offset) => {
                 tracing::info!(clock_offset_ms = offset, "MongoDB reachable");
+                // Start-up makes two more bounded calls (the deployment check, the pauses)
+                // before the dispatch loop's first turn.
+                health.waiting(store.operation_timeout().saturating_mul(2));
                 return true;
             }
             Err(e) => {
@@ -408,5 +416,46 @@ async fn monitor(
             }
             clock.record(&result);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 25, 8.2: with MongoDB stalled from before start, `/healthz` answered 503 for most
+    /// of each start-up attempt after the first (42 of 90 samples, every half second for
+    /// 45 s, default settings): liveness counted from the last back-off, not from the end of
+    /// the bounded attempt. Here MongoDB accepts connections and never answers, on virtual
+    /// time, and liveness is sampled as the probe did.
+    #[tokio::test(start_paused = true)]
+    async fn liveness_holds_while_mongodb_does_not_answer_at_start_up() {
+        let server = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = server.local_addr().expect("address").port();
+        let mut config = Config::default();
+        config.mongodb.uri = format!(
+            "mongodb://127.0.0.1:{port}/?directConnection=true&serverSelectionTimeoutMS=36000000"
+        );
+        let store = Store::connect(&config.mongodb, ServerClock::default())
+            .await
+            .expect("store");
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let shutdown = CancellationToken::new();
+        let waiting = crate::host::spawn({
+            let (health, shutdown) = (health.clone(), shutdown.clone());
+            async move { wait_for_mongodb(&store, &health, &shutdown).await }
+        });
+        let mut dead = Vec::new();
+        for sample in 1..=90 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if !health.is_live() {
+                dead.push(sample);
+            }
+        }
+        assert!(dead.is_empty(), "/healthz 503 at samples {dead:?} of 90");
+        assert!(!waiting.is_finished(), "MongoDB never answered");
+        shutdown.cancel();
+        assert!(!waiting.await.expect("the start-up task"));
+        drop(server);
     }
 }

@@ -34,8 +34,10 @@ pub fn triage(
 
 impl Dispatcher {
     /// Whether a claim may start once its time comes: the link is up and not blocked by the
-    /// broker, no claim is running,
-    /// fewer than two batches are held. A claim may start while a wave publishes: it reads
+    /// broker, no claim is running, fewer than two batches are held, and less than a batch
+    /// waits to settle (a destination that refuses every send makes settling work as fast as
+    /// claims make records: the claims wait for it, so that nothing waits to settle until its
+    /// lease runs out). A claim may start while a wave publishes: it reads
     /// its candidates at once, but takes them ([`ProofGate`]) only once the broker has
     /// answered one of that wave's publishes, so the database is not idle while the broker
     /// works and an instance whose broker stalled hoards nothing.
@@ -45,6 +47,9 @@ impl Dispatcher {
             && !self.blocked
             && !self.claims.is_running()
             && self.held.len() < cap
+            && !self
+                .settle
+                .is_full(self.config.dispatch.batch_size as usize)
             && !self.rate_saturated()
     }
 
@@ -112,11 +117,11 @@ impl Dispatcher {
             };
             let poison = Failure::poison(reason, error);
             m::skipped(poison.reason.as_str(), 1);
-            self.settle_queue.push_back(Settle::Park {
+            self.settle.push_back(Settle::Park {
                 id: row.id,
                 raw: Box::new(row.raw),
                 destination: String::new(),
-                owner,
+                lease,
                 failure: poison,
             });
         }

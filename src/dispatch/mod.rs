@@ -29,7 +29,10 @@
 mod claim;
 mod control;
 mod held;
+pub mod lapinlink;
 pub mod link;
+#[cfg(test)]
+mod linktests;
 pub mod publisher;
 pub mod ratelimit;
 mod settle;
@@ -37,7 +40,6 @@ mod summary;
 pub mod wakeup;
 mod wave;
 
-use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,7 +63,7 @@ use crate::store::{Claim, Store, StoreError};
 use claim::WaveSignals;
 pub use claim::triage;
 pub use held::{ClaimSchedule, Held, Ready};
-use settle::Settle;
+use settle::{Settle, SettleQueue};
 
 /// How often the loop turns when nothing happens, so that liveness keeps being reported.
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -136,22 +138,31 @@ pub struct Dispatcher {
     blocked: bool,
     frame_max: u32,
     next_connect: Instant,
+    /// Spaces the reconnects; reset by a connect that succeeds.
     link_backoff: Backoff,
+    /// Spaces the claims after waves whose publishes went unconfirmed; reset only by a wave
+    /// the broker confirmed. Not the reconnect back-off: the link that withholds confirms
+    /// reconnects fine, and the hold-off must grow all the same (issue 25, 8.5).
+    unconfirmed_backoff: Backoff,
     claims: ClaimSchedule,
     /// When a claim may run again after one failed ([`crate::store::serverload`]).
     claim_pacing: Pacing,
     held: Held,
     /// The records of the wave being published, in message order.
     in_flight: Vec<Ready>,
-    /// Confirmed records waiting for a removal slot.
-    confirmed: Vec<Ready>,
-    settle_queue: VecDeque<Settle>,
+    /// Settling work waiting for a slot, confirmed records' removals included; bounded by
+    /// holding claims back while it is full ([`SettleQueue`]).
+    settle: SettleQueue,
     tasks: JoinSet<Done>,
     link_task: Option<tokio::task::Id>,
     /// Some while a wave is publishing: what a claim beside it waits for (`claim::ProofGate`).
     wave: Option<WaveSignals>,
     removals: usize,
     settling: usize,
+    /// Cancelled `shutdown_timeout` + half of [`crate::service::shutdown::GRACE`] after
+    /// shutdown began: removals still running then give up and count their records as
+    /// possible duplicates, so that the loop ends before the daemon's drain deadline aborts it.
+    drain_over: CancellationToken,
     failed: Option<String>,
     /// The pauses and ramps last applied ([`control`]).
     control: Arc<crate::operator::control::Snapshot>,
@@ -188,17 +199,18 @@ impl Dispatcher {
             link_up: false,
             next_connect: Instant::now(),
             link_backoff: Backoff::reconnect(),
+            unconfirmed_backoff: Backoff::reconnect(),
             claims: ClaimSchedule::new(poll),
             claim_pacing,
             held: Held::default(),
             in_flight: Vec::new(),
-            confirmed: Vec::new(),
-            settle_queue: VecDeque::new(),
+            settle: SettleQueue::default(),
             tasks: JoinSet::new(),
             link_task: None,
             wave: None,
             removals: 0,
             settling: 0,
+            drain_over: CancellationToken::new(),
             failed: None,
             control: Arc::default(),
             control_state,
@@ -217,6 +229,7 @@ impl Dispatcher {
     /// in flight (at most `shutdown_timeout`) and for the settling it started, closes the
     /// broker connection and returns. Returns an error if a handler panicked.
     pub async fn run(mut self) -> Result<(), DispatchError> {
+        self.start_drain_timer();
         loop {
             self.health.beat();
             let stopping = self.shutdown.is_cancelled();
@@ -250,10 +263,28 @@ impl Dispatcher {
         }
         crate::service::shutdown::stall().await;
         tracing::info!("dispatch loop stopped");
-        match self.failed {
+        match self.failed.take() {
             Some(what) => Err(DispatchError::Panicked(what)),
             None => Ok(()),
         }
+    }
+
+    /// Cancels [`Dispatcher::drain_over`] once shutdown has lasted `shutdown_timeout` and half
+    /// the daemon's grace (the other half is for what follows the loop).
+    fn start_drain_timer(&self) {
+        let limit = self
+            .config
+            .dispatch
+            .shutdown_timeout
+            .saturating_add(crate::service::shutdown::GRACE / 2);
+        let (shutdown, drain_over) = (self.shutdown.clone(), self.drain_over.clone());
+        crate::host::spawn(async move {
+            tokio::select! {
+                _ = async { shutdown.cancelled().await; tokio::time::sleep(limit).await } => {}
+                _ = drain_over.cancelled() => {}
+            }
+            drain_over.cancel();
+        });
     }
 
     /// A handler panicked: the daemon is failed and shuts down, releasing what the loop holds.
@@ -382,13 +413,9 @@ impl Dispatcher {
             m::lease_lost(n);
             let in_flight = std::mem::take(&mut self.in_flight);
             self.release_records(in_flight, "publish_failed");
-            match Publisher::new(&self.config.rabbitmq) {
-                Ok(p) => self.publisher = Some(p),
-                Err(err) => {
-                    self.failed = Some(format!("cannot recreate the publisher: {err}"));
-                    self.shutdown.cancel();
-                }
-            }
+            // The same broker, and the watch the loop reads (issue 25, 8.8: a publisher built
+            // afresh had a watch of its own, and `connection.blocked` went unseen from then on).
+            self.publisher = Some(Publisher::renewed(&self.config.rabbitmq, &self.watch));
             self.link_up = false;
         } else if self.claims.is_running() {
             // Settling tasks catch their own panics, so this was the claim.
@@ -429,19 +456,24 @@ impl Dispatcher {
 
     /// Starts removals and other settling while there are free slots. Releases come first.
     fn start_settling(&mut self) {
-        while self.removals < MAX_REMOVALS && !self.confirmed.is_empty() {
-            let confirmed = std::mem::take(&mut self.confirmed);
+        let now = self.store.clock().now();
+        self.settle
+            .release_expiring(now, self.config.dispatch.lease_safety_margin);
+        while self.removals < MAX_REMOVALS && !self.settle.confirmed.is_empty() {
+            let confirmed = std::mem::take(&mut self.settle.confirmed);
             for (lease, batch) in settle::by_lease(confirmed, |r| r.lease) {
                 let records: Vec<(Bson, TimeoutRecord)> =
                     batch.into_iter().map(|r| (r.id, r.record)).collect();
-                let (store, health, shutdown) = (
+                let (store, health, shutdown, drain_over) = (
                     self.store.clone(),
                     self.health.clone(),
                     self.shutdown.clone(),
+                    self.drain_over.clone(),
                 );
                 self.removals += 1;
                 crate::host::spawn_in(&mut self.tasks, async move {
-                    let removal = settle::remove(&store, &health, &records, &lease, &shutdown);
+                    let removal =
+                        settle::remove(&store, &health, &records, &lease, &shutdown, &drain_over);
                     if AssertUnwindSafe(removal).catch_unwind().await.is_err() {
                         tracing::error!(%lease.owner, "removing sent records panicked; they come back when the lease expires");
                     }
@@ -450,7 +482,7 @@ impl Dispatcher {
             }
         }
         while self.settling < MAX_SETTLING
-            && let Some(work) = self.settle_queue.pop_front()
+            && let Some(work) = self.settle.pop_front()
         {
             let (store, retry) = (self.store.clone(), self.config.retry.clone());
             let history = self.history.clone();
@@ -483,15 +515,34 @@ impl Dispatcher {
         reason: &'static str,
     ) {
         for work in Settle::releases(held, reason).into_iter().rev() {
-            self.settle_queue.push_front(work);
+            self.settle.push_front(work);
         }
     }
 
     fn is_idle(&self) -> bool {
         self.tasks.is_empty()
-            && self.settle_queue.is_empty()
-            && self.confirmed.is_empty()
+            && self.settle.is_empty()
             && self.held.is_empty()
             && self.in_flight.is_empty()
     }
 }
+
+/// The loop dropped before it settled everything (aborted at the end of the shutdown's drain,
+/// or stopped after a second panic): confirmed records that waited for a removal slot, and a
+/// wave's records whose outcome never came back, stay leased and are sent again after the
+/// lease. They are counted as possible duplicates.
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        let unsettled = self.settle.confirmed.len() + self.in_flight.len();
+        if unsettled > 0 {
+            tracing::warn!(
+                records = unsettled,
+                "the dispatch loop ended with sent records not removed; they may be sent again after the lease"
+            );
+            m::possible_duplicates("removal_abandoned", unsettled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -4,7 +4,10 @@
 //! write is guarded by the claim's owner and live lease, and bounded by
 //! `[mongodb] operation_timeout`.
 
-use bson::{Bson, Document};
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use bson::{Bson, DateTime, Document};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -59,12 +62,116 @@ pub enum Settle {
         id: Bson,
         raw: Box<Document>,
         destination: String,
-        owner: Uuid,
+        lease: Lease,
         failure: Failure,
     },
 }
 
+/// Settling work waiting for a slot, in one queue: the confirmed records waiting for a
+/// removal, and the rest (releases first, then retries and parkings, in order).
+///
+/// It is bounded by what the loop lets in: while it holds `cap` records or more
+/// ([`SettleQueue::is_full`]) no claim starts, so a destination that refuses every send
+/// cannot pile up more work than the database settles (issue 25, 8.3: refused records queued
+/// without bound, outlived their leases and were claimed again). And nothing in it outlives
+/// its lease: work whose lease comes within the safety margin before it got a slot is
+/// released instead ([`SettleQueue::release_expiring`]).
+#[derive(Debug, Default)]
+pub struct SettleQueue {
+    /// Confirmed records waiting for a removal slot (removals have slots of their own).
+    pub confirmed: Vec<Ready>,
+    work: VecDeque<Settle>,
+}
+
+impl SettleQueue {
+    /// How many records wait: confirmed ones and those of the other work.
+    pub fn records(&self) -> usize {
+        self.confirmed.len() + self.work.iter().map(Settle::records).sum::<usize>()
+    }
+
+    /// Whether no claim may start: `cap` records or more wait to settle.
+    pub fn is_full(&self, cap: usize) -> bool {
+        self.records() >= cap.max(1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.confirmed.is_empty() && self.work.is_empty()
+    }
+
+    pub fn push_back(&mut self, work: Settle) {
+        self.work.push_back(work);
+    }
+
+    pub fn push_front(&mut self, work: Settle) {
+        self.work.push_front(work);
+    }
+
+    pub fn pop_front(&mut self) -> Option<Settle> {
+        self.work.pop_front()
+    }
+
+    /// The work other than removals, in the order it runs.
+    #[cfg(test)]
+    pub fn work(&self) -> impl Iterator<Item = &Settle> {
+        self.work.iter()
+    }
+
+    /// Retries and parkings whose lease has less than `margin` left at `now` (server clock)
+    /// are released instead, ahead of the rest: a guarded write that lands after the lease ran
+    /// out matches nothing, and the record would come back to a claim as a lost lease. The
+    /// refusal is not counted then: the record is sent again by the next claim and counted
+    /// on that attempt. Returns how many were released.
+    pub fn release_expiring(&mut self, now: DateTime, margin: Duration) -> usize {
+        let expiring = |s: &Settle| match s.lease() {
+            Some(lease) => lease.remaining(now) < margin,
+            None => false,
+        };
+        if !self.work.iter().any(expiring) {
+            return 0;
+        }
+        let (late, kept): (Vec<Settle>, Vec<Settle>) = std::mem::take(&mut self.work)
+            .into_iter()
+            .partition(expiring);
+        self.work = kept.into();
+        let held: Vec<(Bson, Lease)> = late
+            .into_iter()
+            .filter_map(|s| match s {
+                Settle::Refused { ready, .. } => Some((ready.id, ready.lease)),
+                Settle::Park { id, lease, .. } => Some((id, lease)),
+                Settle::Release { .. } => None,
+            })
+            .collect();
+        let n = held.len();
+        tracing::warn!(
+            records = n,
+            margin = ?margin,
+            "settling did not start before the lease safety margin; releasing instead"
+        );
+        for work in Settle::releases(held, "margin").into_iter().rev() {
+            self.work.push_front(work);
+        }
+        n
+    }
+}
+
 impl Settle {
+    /// How many records the work settles.
+    pub fn records(&self) -> usize {
+        match self {
+            Settle::Release { ids, .. } => ids.len(),
+            Settle::Refused { .. } | Settle::Park { .. } => 1,
+        }
+    }
+
+    /// The lease a retry or a parking needs (a release needs none: it may match nothing).
+    fn lease(&self) -> Option<&Lease> {
+        match self {
+            Settle::Release { .. } => None,
+            Settle::Refused { ready, .. } => Some(&ready.lease),
+            Settle::Park { lease, .. } => Some(lease),
+        }
+    }
+
     /// Releases grouped by claim, one item per claim.
     pub fn releases(held: Vec<(Bson, Lease)>, reason: &'static str) -> Vec<Settle> {
         by_lease(held, |(_, l)| *l)
@@ -90,9 +197,20 @@ impl Settle {
                 id,
                 raw,
                 destination,
-                owner,
+                lease,
                 failure,
-            } => park(store, &id, &raw, &destination, owner, &failure, history).await,
+            } => {
+                park(
+                    store,
+                    &id,
+                    &raw,
+                    &destination,
+                    lease.owner,
+                    &failure,
+                    history,
+                )
+                .await
+            }
         }
     }
 }
@@ -253,19 +371,71 @@ async fn park(
     }
 }
 
+/// Counts the confirmed records of a removal that did not finish as possible duplicates, when
+/// it is dropped before [`Unremoved::settled`]: a removal task aborted at the end of the
+/// shutdown's drain, or one that panicked. Its records stay leased, and whoever claims them
+/// once the lease ran out sends them again.
+struct Unremoved<'a> {
+    confirmed: &'a [(Bson, TimeoutRecord)],
+    owner: Uuid,
+    settled: bool,
+}
+
+impl Unremoved<'_> {
+    /// The removal accounted for its records itself.
+    fn settled(&mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Unremoved<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let owner = self.owner;
+        for (_, r) in self.confirmed {
+            tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "removal of a sent record abandoned; it stays leased and may be sent again after the lease");
+        }
+        m::possible_duplicates("removal_abandoned", self.confirmed.len());
+    }
+}
+
 /// Deletes the confirmed records of one claim under its owner guard, after checking that the
 /// lease still holds; retries a failed delete while it does and shutdown has not begun. A
 /// shortfall is a lost lease: the message may be sent again by whoever holds the record now.
+/// Once `drain_over` is cancelled (the shutdown's drain is ending) it gives up and counts the
+/// records it could not remove as possible duplicates, as it does if it is dropped unfinished.
 pub async fn remove(
     store: &Store,
     health: &Health,
     confirmed: &[(Bson, TimeoutRecord)],
     lease: &Lease,
     shutdown: &CancellationToken,
+    drain_over: &CancellationToken,
 ) {
     if confirmed.is_empty() {
         return;
     }
+    let owner = lease.owner;
+    let mut unremoved = Unremoved {
+        confirmed,
+        owner,
+        settled: false,
+    };
+    removal_attempts(store, health, confirmed, lease, shutdown, drain_over).await;
+    unremoved.settled();
+}
+
+/// [`remove`]'s attempts; each way out accounts for every record.
+async fn removal_attempts(
+    store: &Store,
+    health: &Health,
+    confirmed: &[(Bson, TimeoutRecord)],
+    lease: &Lease,
+    shutdown: &CancellationToken,
+    drain_over: &CancellationToken,
+) {
     let owner = lease.owner;
     let ids: Vec<Bson> = confirmed.iter().map(|(id, _)| id.clone()).collect();
     let mut backoff = Backoff::reconnect();
@@ -277,9 +447,17 @@ pub async fn remove(
             m::lease_lost(confirmed.len());
             return;
         }
-        let removal = store
-            .bounded("remove sent records", store.remove_held(&ids, owner))
-            .await;
+        let removal = tokio::select! {
+            biased;
+            removal = store.bounded("remove sent records", store.remove_held(&ids, owner)) => removal,
+            _ = drain_over.cancelled() => {
+                // The delete may still land on the server; if it does not, the records are
+                // sent again after the lease.
+                m::possible_duplicates("shutdown", confirmed.len());
+                tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
+                return;
+            }
+        };
         // Tests only: the server applied the delete, but its answer was lost.
         #[cfg(feature = "failpoints")]
         let removal = match fail::eval("remove-answer-lost", |_| ()) {
@@ -306,7 +484,7 @@ pub async fn remove(
                 return;
             }
             Err(e) if shutdown.is_cancelled() => {
-                m::lease_lost(confirmed.len());
+                m::possible_duplicates("shutdown", confirmed.len());
                 tracing::warn!(%owner, records = ids.len(), error = %e, "removing sent records failed during shutdown; they stay leased and may be sent again after the lease");
                 return;
             }

@@ -20,10 +20,15 @@ use crate::store::parking::ParkReason;
 impl Dispatcher {
     pub(super) fn on_connected(&mut self, result: Result<(), PublishError>) {
         match result {
-            Ok(()) => {
+            Ok(()) if self.link_up => {
                 self.health.set_up(m::RABBITMQ, true);
                 self.link_backoff.reset();
             }
+            Err(PublishError::Stopped) => {
+                tracing::debug!("shutdown began before the RabbitMQ connection was open");
+            }
+            // Open but not marked up (cannot follow a connect that succeeded): nothing to do.
+            Ok(()) => {}
             Err(e) => {
                 self.health.set_up(m::RABBITMQ, false);
                 let wait = self.link_backoff.next_delay();
@@ -46,6 +51,7 @@ impl Dispatcher {
         let confirmed_at = self.store.clock().now();
         let mut failed = Vec::new();
         let mut unconfirmed = false;
+        let mut any_confirmed = false;
         let mut summary = WaveSummary::default();
         let mut fired = Vec::new();
         for (i, (r, outcome)) in std::mem::take(&mut self.in_flight)
@@ -57,6 +63,7 @@ impl Dispatcher {
             let correlation_id = r.record.process_manager_id;
             match outcome {
                 SendOutcome::Confirmed => {
+                    any_confirmed = true;
                     let late_ms = confirmed_at
                         .timestamp_millis()
                         .saturating_sub(r.record.due.timestamp_millis());
@@ -68,12 +75,12 @@ impl Dispatcher {
                         let message_id = message_ids.get(i).cloned().flatten();
                         fired.push(history::fired(&r.id, &r.record, message_id, confirmed_at));
                     }
-                    self.confirmed.push(r);
+                    self.settle.confirmed.push(r);
                 }
                 SendOutcome::Returned | SendOutcome::Nacked => {
                     summary.refused += 1;
                     m::publish_failure(outcome.reason());
-                    self.settle_queue.push_back(Settle::Refused {
+                    self.settle.push_back(Settle::Refused {
                         ready: Box::new(r),
                         outcome,
                     });
@@ -100,10 +107,14 @@ impl Dispatcher {
         }
         self.release(failed, "publish_failed");
         if unconfirmed {
-            // A link that withholds confirms must not get the same records again at once.
-            let wait = self.link_backoff.next_delay();
+            // A link that withholds confirms must not get the same records again at once, and
+            // gets them later and later while it goes on withholding them: its own back-off,
+            // which the reconnect that usually follows does not reset.
+            let wait = self.unconfirmed_backoff.next_delay();
             tracing::warn!(retry_in = ?wait, "publishes went unconfirmed; backing off before the next claim");
             self.claims.hold_off(wait);
+        } else if any_confirmed {
+            self.unconfirmed_backoff.reset();
         }
     }
 
@@ -141,7 +152,9 @@ impl Dispatcher {
         let handle = crate::host::spawn_in(&mut self.tasks, async move {
             let result = tokio::select! {
                 r = publisher.connect() => r,
-                _ = shutdown.cancelled() => Ok(()),
+                // Not `Ok`: a connect cut short says nothing of the broker (issue 25: it
+                // marked RabbitMQ up).
+                _ = shutdown.cancelled() => Err(PublishError::Stopped),
             };
             Done::Link {
                 publisher: Box::new(publisher),
@@ -207,11 +220,11 @@ impl Dispatcher {
                 }
                 Err(unsendable) => {
                     m::skipped("unsendable", 1);
-                    self.settle_queue.push_back(Settle::Park {
+                    self.settle.push_back(Settle::Park {
                         id: r.id,
                         destination: r.record.destination.clone(),
                         raw: Box::new(r.raw),
-                        owner: r.lease.owner,
+                        lease: r.lease,
                         failure: Failure::poison(ParkReason::Unsendable, unsendable.to_string()),
                     });
                 }
@@ -239,9 +252,18 @@ impl Dispatcher {
             over: stop_waiting.clone(),
         });
         let built_for = self.frame_max;
+        let shutdown = self.shutdown.clone();
         let handle = crate::host::spawn_in(&mut self.tasks, async move {
             let started = Instant::now();
-            let outcomes = match publisher.connect().await {
+            // The wave's own connect (the link dropped since the wave was built) yields to
+            // shutdown like every other connect: nothing of the wave went out, so its records
+            // are released.
+            let connected = tokio::select! {
+                biased;
+                connected = publisher.connect() => connected.map_err(Some),
+                _ = shutdown.cancelled() => Err(None),
+            };
+            let outcomes = match connected {
                 // The link dropped since the wave was built and the new connection has
                 // another limit: the messages were checked against the wrong one.
                 Ok(()) if publisher.frame_max() != built_for => {
@@ -256,7 +278,11 @@ impl Dispatcher {
                         .publish_batch(&messages, &stop_waiting, &alive)
                         .await
                 }
-                Err(e) => vec![SendOutcome::NotSent(e.to_string()); messages.len()],
+                Err(Some(e)) => vec![SendOutcome::NotSent(e.to_string()); messages.len()],
+                Err(None) => {
+                    let why = "shutdown began before the connection was reopened".to_string();
+                    vec![SendOutcome::NotSent(why); messages.len()]
+                }
             };
             stop_waiting.cancel();
             Done::Link {
@@ -381,8 +407,8 @@ mod tests {
         d.start_work(false);
         assert!(d.in_flight.is_empty(), "nothing of it was published");
         let parked: Vec<ParkReason> = d
-            .settle_queue
-            .iter()
+            .settle
+            .work()
             .filter_map(|s| match s {
                 Settle::Park { failure, .. } => Some(failure.reason),
                 _ => None,

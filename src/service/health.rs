@@ -91,9 +91,11 @@ impl Health {
     /// stalled, so liveness counts from the next attempt. (A dependency that is down is
     /// reported by readiness; restarting timeoutd would not bring it back.)
     pub fn waiting(&self, wait: Duration) {
-        let at = self.started.elapsed() + wait;
-        self.last_poll_ms
-            .store(at.as_millis() as i64, Ordering::Relaxed);
+        let at = self.started.elapsed().saturating_add(wait);
+        self.last_poll_ms.store(
+            i64::try_from(at.as_millis()).unwrap_or(i64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// Records whether a dependency answers (and exports it as a gauge).

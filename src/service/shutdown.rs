@@ -1,7 +1,14 @@
 //! Shutdown: SIGTERM or SIGINT cancels one [`CancellationToken`] that every task watches.
 
+use std::time::Duration;
+
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
+
+/// How long after `shutdown_timeout` the daemon may take, in all, after a SIGTERM: for the
+/// dispatch loop's removals and releases, the HTTP endpoints and closing the MongoDB client.
+/// The dispatch loop gives its removals until half of it.
+pub const GRACE: Duration = Duration::from_secs(5);
 
 /// Waits for SIGTERM or SIGINT, then cancels `token`. Returns the signal's name.
 pub async fn on_signal(token: CancellationToken) -> std::io::Result<&'static str> {
