@@ -10,6 +10,7 @@ pub mod backend;
 pub mod backlog;
 pub mod claim;
 pub mod clock;
+pub mod driver;
 pub mod durability;
 pub mod head;
 pub mod history;
@@ -298,7 +299,12 @@ impl Store {
     /// the sample with the shortest round trip of three, so that a first call that also opens
     /// the connection does not skew it. Also the cheapest check that the server answers.
     pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
-        let mut best: Option<(Duration, DateTime, tokio::time::Instant, tokio::time::Instant)> = None;
+        let mut best: Option<(
+            Duration,
+            DateTime,
+            tokio::time::Instant,
+            tokio::time::Instant,
+        )> = None;
         for _ in 0..3 {
             let sent = tokio::time::Instant::now();
             let reply = self
