@@ -62,9 +62,10 @@ struct Sides {
     app: String,
 }
 
-/// Faults that reach beyond one client (`maxTimeAlwaysTimeOut`, a stepdown) take this for
-/// writing; every other case for reading, so that none runs into another's fault. (Failpoints
-/// of `failCommand` are scoped to the case's own client by its `appName`.)
+/// Faults that reach beyond one client take this for writing (`maxTimeAlwaysTimeOut`, a
+/// stepdown, and `failCommand`: the server holds one configuration of it, which each
+/// `configureFailPoint` replaces, though its `appName` scopes it to the case's own client);
+/// every other case for reading, so that none runs into another's fault.
 static SERVER_WIDE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 impl Sides {
@@ -74,7 +75,7 @@ impl Sides {
         let app = format!("conformance-{}", &id[..12]);
         let uri = common::with_query(&common::mongo_uri(), &format!("appName={app}"));
         let client = mongodb::Client::with_uri_str(uri).await.expect("client");
-        let real = Arc::new(interim::Real(client.database(&db)));
+        let real = Arc::new(timeoutd::store::driver::Driver::new(client.database(&db)));
         Self {
             model: MongoModel::new(&db, 7, NOW_MS),
             real,
@@ -1273,7 +1274,7 @@ async fn fail_point(s: &Sides, cmd: Document) -> bool {
 
 #[tokio::test]
 async fn fail_command_errors_and_closed_connections_classify_alike() {
-    let _shared = SERVER_WIDE.read().await;
+    let _exclusive = SERVER_WIDE.write().await;
     let s = Sides::new().await;
     let rec = |i: u64| common::v7_record(seeded_uuid(i), "q", seeded_uuid(2), now(), doc! {});
     s.insert_each(COLL, vec![rec(1)]).await;
@@ -1429,7 +1430,7 @@ async fn max_time_always_times_out_with_code_50() {
 
 #[tokio::test]
 async fn a_write_blocked_on_the_server_lands_after_the_client_gave_up() {
-    let _shared = SERVER_WIDE.read().await;
+    let _exclusive = SERVER_WIDE.write().await;
     let s = Sides::new().await;
     let id = uuid_bson(seeded_uuid(1));
     s.insert_each(
@@ -1806,11 +1807,13 @@ async fn the_server_clock_drifts_and_steps_on_virtual_time() {
 async fn the_same_seed_draws_the_same_faults() {
     let outcomes = |seed: u64| async move {
         let m = MongoModel::new("sim", seed, NOW_MS);
-        let mut plan = model::FaultPlan::default();
-        plan.default = model::Faults {
-            p_cut: 0.3,
-            p_lose_reply: 0.3,
-            latency: model::Latency::Uniform(Duration::ZERO, Duration::from_millis(50)),
+        let plan = model::FaultPlan {
+            default: model::Faults {
+                p_cut: 0.3,
+                p_lose_reply: 0.3,
+                latency: model::Latency::Uniform(Duration::ZERO, Duration::from_millis(50)),
+                ..Default::default()
+            },
             ..Default::default()
         };
         m.set_faults(plan);
@@ -1839,180 +1842,4 @@ async fn the_same_seed_draws_the_same_faults() {
         a.0.iter().any(|x| !x.0) && a.0.iter().any(|x| x.0),
         "some failed, some did not"
     );
-}
-
-/// The real side until `timeoutd::store::driver::Driver` lands: the same calls it makes.
-mod interim {
-    use bson::Document;
-    use futures::future::BoxFuture;
-    use futures::{StreamExt, TryStreamExt};
-    use mongodb::options::ReturnDocument;
-    use timeoutd::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Written};
-
-    #[derive(Debug)]
-    pub struct Real(pub mongodb::Database);
-
-    async fn run(db: mongodb::Database, coll: String, op: Op) -> Result<Reply, MongoError> {
-        let c = db.collection::<Document>(&coll);
-        Ok(match op {
-            Op::Find {
-                filter,
-                projection,
-                sort,
-                limit,
-                max_time,
-            } => {
-                let mut f = c.find(filter);
-                if let Some(p) = projection {
-                    f = f.projection(p);
-                }
-                if let Some(s) = sort {
-                    f = f.sort(s);
-                }
-                if let Some(l) = limit {
-                    f = f.limit(l);
-                }
-                if let Some(t) = max_time {
-                    f = f.max_time(t);
-                }
-                Reply::Docs(f.await?.try_collect().await?)
-            }
-            Op::Count {
-                filter,
-                limit,
-                max_time,
-            } => {
-                let mut f = c.count_documents(filter);
-                if let Some(l) = limit {
-                    f = f.limit(l);
-                }
-                if let Some(t) = max_time {
-                    f = f.max_time(t);
-                }
-                Reply::Count(f.await?)
-            }
-            Op::Distinct {
-                field,
-                filter,
-                max_time,
-            } => {
-                let mut f = c.distinct(field, filter);
-                if let Some(t) = max_time {
-                    f = f.max_time(t);
-                }
-                Reply::Values(f.await?)
-            }
-            Op::Update {
-                filter,
-                update,
-                many,
-                upsert,
-            } => {
-                let r = if many {
-                    c.update_many(filter, update).upsert(upsert).await?
-                } else {
-                    c.update_one(filter, update).upsert(upsert).await?
-                };
-                Reply::Written(Written {
-                    matched: r.matched_count,
-                    modified: r.modified_count,
-                    upserted_id: r.upserted_id,
-                    ..Written::default()
-                })
-            }
-            Op::Replace {
-                filter,
-                replacement,
-                upsert,
-            } => {
-                let r = c.replace_one(filter, replacement).upsert(upsert).await?;
-                Reply::Written(Written {
-                    matched: r.matched_count,
-                    modified: r.modified_count,
-                    upserted_id: r.upserted_id,
-                    ..Written::default()
-                })
-            }
-            Op::FindOneAndUpdate {
-                filter,
-                update,
-                sort,
-                upsert,
-                return_new,
-                max_time,
-            } => {
-                let mut f = c
-                    .find_one_and_update(filter, update)
-                    .upsert(upsert)
-                    .return_document(if return_new {
-                        ReturnDocument::After
-                    } else {
-                        ReturnDocument::Before
-                    });
-                if let Some(s) = sort {
-                    f = f.sort(s);
-                }
-                if let Some(t) = max_time {
-                    f = f.max_time(t);
-                }
-                Reply::Doc(f.await?)
-            }
-            Op::Delete { filter, many } => {
-                let r = if many {
-                    c.delete_many(filter).await?
-                } else {
-                    c.delete_one(filter).await?
-                };
-                Reply::Written(Written {
-                    deleted: r.deleted_count,
-                    ..Written::default()
-                })
-            }
-            Op::Insert { mut docs, ordered } => {
-                let inserted = if docs.len() == 1 {
-                    c.insert_one(docs.pop().unwrap_or_default()).await?;
-                    1
-                } else if docs.is_empty() {
-                    0
-                } else {
-                    c.insert_many(docs)
-                        .ordered(ordered)
-                        .await?
-                        .inserted_ids
-                        .len() as u64
-                };
-                Reply::Written(Written {
-                    inserted,
-                    ..Written::default()
-                })
-            }
-        })
-    }
-
-    impl Backend for Real {
-        fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
-            Box::pin(run(self.0.clone(), collection.to_string(), op))
-        }
-        fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-            let db = self.0.clone();
-            Box::pin(async move { db.run_command(command).await })
-        }
-        fn watch(
-            &self,
-            collection: &str,
-            pipeline: Vec<Document>,
-        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-            let c = self.0.collection::<Document>(collection);
-            Box::pin(async move {
-                Ok(c.watch()
-                    .pipeline(pipeline)
-                    .await?
-                    .with_type::<Document>()
-                    .boxed())
-            })
-        }
-        fn shutdown(&self) -> BoxFuture<'static, ()> {
-            Box::pin(async {})
-        }
-    }
 }

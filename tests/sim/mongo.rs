@@ -124,10 +124,12 @@ fn cmp_int_float(a: i64, b: f64) -> Ordering {
     if b.is_nan() {
         return Ordering::Greater;
     }
-    if b >= 9.223_372_036_854_775_807e18 {
+    // 2^63: no i64 reaches it; -2^63 is i64::MIN.
+    const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+    if b >= TWO_63 {
         return Ordering::Less;
     }
-    if b < -9.223_372_036_854_775_808e18 {
+    if b < -TWO_63 {
         return Ordering::Greater;
     }
     let t = b.trunc();
@@ -287,10 +289,11 @@ fn collect<'a>(v: &'a Bson, parts: &[&str], out: &mut Vec<Option<&'a Bson>>) {
         },
         Bson::Array(items) => {
             let before = out.len();
-            if !first.is_empty() && first.bytes().all(|b| b.is_ascii_digit()) {
-                if let Some(x) = first.parse::<usize>().ok().and_then(|i| items.get(i)) {
-                    collect(x, rest, out);
-                }
+            if !first.is_empty()
+                && first.bytes().all(|b| b.is_ascii_digit())
+                && let Some(x) = first.parse::<usize>().ok().and_then(|i| items.get(i))
+            {
+                collect(x, rest, out);
             }
             for item in items {
                 if let Bson::Document(_) = item {
@@ -616,11 +619,14 @@ fn type_is(v: &Bson, codes: &[i32]) -> bool {
 fn parse_sort(sort: &Document) -> Result<Vec<(String, bool)>, MongoError> {
     let mut keys = Vec::new();
     for (k, v) in sort {
-        let ascending = match num(v) {
-            Some(Num::I(1)) => true,
-            Some(Num::I(-1)) => false,
-            Some(Num::F(f)) if f == 1.0 => true,
-            Some(Num::F(f)) if f == -1.0 => false,
+        let direction = match num(v) {
+            Some(Num::I(i)) => Some(i),
+            Some(Num::F(f)) if f.fract() == 0.0 && f.abs() <= 1.0 => Some(f as i64),
+            _ => None,
+        };
+        let ascending = match direction {
+            Some(1) => true,
+            Some(-1) => false,
             _ => return Err(bad_value(&format!("bad sort specification for {k}"))),
         };
         keys.push((k.clone(), ascending));
@@ -1219,6 +1225,7 @@ impl SplitMix {
 
 /// What a client asked.
 #[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
 pub enum Request {
     Op(Op),
     Command(Document),
@@ -1278,7 +1285,7 @@ struct Collection {
 }
 
 impl Collection {
-    fn new() -> Self {
+    fn with_id_index() -> Self {
         Self {
             indexes: vec![doc! { "v": 2, "key": { "_id": 1 }, "name": "_id_" }],
             ..Self::default()
@@ -2233,7 +2240,7 @@ impl State {
     fn coll_mut(&mut self, name: &str) -> &mut Collection {
         self.colls
             .entry(name.to_string())
-            .or_insert_with(Collection::new)
+            .or_insert_with(Collection::with_id_index)
     }
 
     fn seqs(&self, collection: &str) -> Vec<u64> {
