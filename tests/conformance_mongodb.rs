@@ -1843,3 +1843,55 @@ async fn the_same_seed_draws_the_same_faults() {
         "some failed, some did not"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_reply_a_cut_lost_is_retried_and_applied_once() {
+    let m = quiet_model();
+    m.insert_direct(COLL, vec![doc! { "_id": 1, "n": 0 }])
+        .expect("setup");
+    let mut plan = model::FaultPlan::default();
+    plan.default.latency = model::Latency::Fixed(Duration::from_secs(2));
+    m.set_faults(plan);
+    let cutter = m.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cutter.cut_for(Duration::from_secs(5));
+    });
+    let op = Op::Update {
+        filter: doc! { "_id": 1 },
+        update: doc! { "$inc": { "n": 1 } },
+        many: false,
+        upsert: false,
+    };
+    let started = tokio::time::Instant::now();
+    let reply = m
+        .run(COLL, op.clone())
+        .await
+        .expect("retried after the cut");
+    assert!(
+        started.elapsed() >= Duration::from_secs(6),
+        "waited for the cut to end"
+    );
+    assert_eq!(
+        reply,
+        Reply::Written(timeoutd::store::backend::Written {
+            matched: 1,
+            modified: 1,
+            ..Default::default()
+        })
+    );
+    assert_eq!(
+        m.get(COLL, &Bson::Int32(1))
+            .and_then(|d| d.get_i32("n").ok()),
+        Some(1),
+        "applied once"
+    );
+    // Without the driver's retries the caller sees the lost reply.
+    m.set_driver(model::DriverModel {
+        retries: false,
+        ..Default::default()
+    });
+    m.cut_for(Duration::from_millis(1500));
+    let e = m.run(COLL, op).await.expect_err("reply lost");
+    assert_eq!(classify(&e).kind, "io");
+}

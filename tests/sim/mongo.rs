@@ -23,6 +23,24 @@
 //! - an operations log (each request, each document written with its before and after, each
 //!   reply delivered or lost) and direct accessors for the invariant checker.
 //!
+//! - what the `mongodb` driver adds above the server, which the daemon's `Driver` backend
+//!   includes ([`DriverModel`], on by default): one retry of retryable writes and reads (a
+//!   write retried after its reply was lost is not applied twice), and server selection that
+//!   waits for a reachable primary once a client saw none. Multi-document writes and commands
+//!   are never retried.
+//!
+//! Use: `let db = MongoModel::new("timeouts", seed, start_ms);` then one handle per instance,
+//! `db.client("i1")` (an `Arc<dyn Backend>` for `Store`); faults with `set_faults` /
+//! `set_client_faults` ([`FaultPlan`] of [`Faults`] per operation name), windows with
+//! `cut_client_for`, `stall_client_for`, `step_down_for`, the server clock with
+//! `step_clock_ms` and `set_drift_ppm`, `heal()` for the liveness phase; the checker reads
+//! `log_since(seq)`, `snapshot(collection)`, `get(collection, id)`, `server_now()`. The same
+//! test commands as a real server: `configureFailPoint` (`failCommand` with `errorCode`,
+//! `closeConnection`, `blockConnection`; `maxTimeAlwaysTimeOut`) and `replSetStepDown`.
+//! Not modelled: TTL expiry, unique indexes other than `_id`, `$elemMatch`, regular
+//! expressions, aggregation; a request for them fails with BadValue (2) rather than be
+//! answered wrong.
+//!
 //! No real time: every delay is a `tokio::time::sleep`, the server clock runs on
 //! `tokio::time::Instant` (with drift and steps). Single-threaded use under a paused runtime is
 //! the target; the state sits behind one `std::sync::Mutex`, never held across an await.
@@ -1840,7 +1858,16 @@ impl MongoModel {
         if !reply_latency.is_zero() {
             tokio::time::sleep(reply_latency).await;
         }
-        if lose {
+        // A cut that began while the request ran loses its reply (the effect stays).
+        let cut_now = {
+            let s = self.lock();
+            let now = Instant::now();
+            [s.cut_until.get(&client), s.cut_until.get("")]
+                .into_iter()
+                .flatten()
+                .any(|t| now < *t)
+        };
+        if lose || cut_now {
             self.lock()
                 .log(&client, op_id, collection, LogEvent::ReplyLost);
             return (
