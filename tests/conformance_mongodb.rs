@@ -1895,3 +1895,91 @@ async fn a_write_whose_reply_a_cut_lost_is_retried_and_applied_once() {
     let e = m.run(COLL, op).await.expect_err("reply lost");
     assert_eq!(classify(&e).kind, "io");
 }
+
+/// The test proxy's modes against the model's faults: replies held back (the write lands,
+/// the client hears nothing until its own deadline) and a cut (an I/O error, and after the
+/// driver's one retry finds no server, still that error).
+#[tokio::test]
+async fn held_replies_and_cuts_match_the_test_proxy() {
+    use common::proxy::{Mode, Proxy, host_port};
+    let _shared = SERVER_WIDE.read().await;
+    let s = Sides::new().await;
+    let id = uuid_bson(seeded_uuid(1));
+    s.insert_each(
+        COLL,
+        vec![common::v7_record(
+            seeded_uuid(1),
+            "q",
+            seeded_uuid(2),
+            now(),
+            doc! {},
+        )],
+    )
+    .await;
+    let proxy = Proxy::start(&host_port(&common::mongo_uri())).await;
+    let uri = common::with_query(
+        &common::with_query(
+            &proxy.rewrite(&common::mongo_uri()),
+            "directConnection=true",
+        ),
+        "serverSelectionTimeoutMS=2000",
+    );
+    let proxied = mongodb::Client::with_uri_str(uri).await.expect("client");
+    let real = timeoutd::store::driver::Driver::new(proxied.database(&s.db));
+    real.run(COLL, count(Document::new()))
+        .await
+        .expect("through the proxy");
+    let model = s.model.client("proxied");
+    model.set_driver(model::DriverModel {
+        retries: true,
+        server_selection: Duration::from_secs(2),
+    });
+    let write = Op::Update {
+        filter: doc! { "_id": id.clone() },
+        update: doc! { "$set": { "Locked": true } },
+        many: false,
+        upsert: false,
+    };
+    // Held replies.
+    proxy.set(Mode::HoldReplies);
+    let mut plan = model::FaultPlan::default();
+    plan.default.reply_latency = model::Latency::Fixed(Duration::from_secs(3600));
+    s.model.set_client_faults("proxied", plan);
+    for (side, backend) in [("model", &model as &dyn Backend), ("real", &real)] {
+        let gave_up =
+            tokio::time::timeout(Duration::from_secs(1), backend.run(COLL, write.clone())).await;
+        assert!(gave_up.is_err(), "{side}: answered while replies were held");
+    }
+    for (side, backend) in s.sides() {
+        let landed = common::eventually(Duration::from_secs(30), || {
+            let id = id.clone();
+            async move {
+                matches!(
+                    backend
+                        .run(COLL, count(doc! { "_id": id, "Locked": true }))
+                        .await,
+                    Ok(Reply::Count(1))
+                )
+            }
+        })
+        .await;
+        assert!(landed, "{side}: the write never landed");
+    }
+    // A cut that outlasts server selection.
+    proxy.set(Mode::Cut);
+    s.model
+        .set_client_faults("proxied", model::FaultPlan::default());
+    s.model.cut_client_for("proxied", Duration::from_secs(30));
+    let (m, r) = tokio::join!(
+        model.run(COLL, write.clone()),
+        real.run(COLL, write.clone())
+    );
+    assert_eq!(
+        classify_result(&m),
+        classify_result(&r),
+        "a write through a cut"
+    );
+    assert_eq!(classify_result(&r).err().map(|c| c.kind), Some("io"));
+    proxy.set(Mode::Forward);
+    s.cleanup().await;
+}
