@@ -305,8 +305,6 @@ impl Store {
             .find(doc! { "_id": { "$in": ids } })
             .projection(doc! { "attempts": 1 })
             .max_time(self.server_limit())
-            .await?
-            .try_collect()
             .await?;
         Ok(counted
             .iter()
