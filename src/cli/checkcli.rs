@@ -6,20 +6,18 @@
 //! The text output stays valid TOML: what is not configuration is written as `#` comments.
 
 use std::path::Path;
+use std::sync::Arc;
 use tokio::time::Instant;
 
 use bson::doc;
 use serde::Serialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::config::{Config, ENV_PREFIX, resolve_path};
+use crate::dispatch::lapinlink::LapinBroker;
 use crate::dispatch::publisher::Publisher;
 use crate::redact::redact_text;
 use crate::store::clock::ServerClock;
 use crate::store::{Store, StoreError};
-
-/// The most a broker's Connection.Start frame may hold here (RabbitMQ's is about 500 bytes).
-const MAX_START_FRAME: usize = 64 * 1024;
 
 /// Where the configuration came from.
 #[derive(Debug, Serialize)]
@@ -186,76 +184,26 @@ async fn server_version(store: &Store) -> Result<String, StoreError> {
 
 async fn reach_rabbitmq(config: &Config) -> Reached {
     let started = Instant::now();
-    let mut publisher = match Publisher::new(&config.rabbitmq) {
-        Ok(p) => p,
+    // The version comes from the handshake of the node that answered (lapin does not keep
+    // it, so the broker reads it from a Connection.Start of its own, plain `amqp://` only).
+    let broker = match LapinBroker::new(&config.rabbitmq) {
+        Ok(b) => b.reading_version(),
         Err(e) => return failed(started, &e),
     };
+    let mut publisher = Publisher::with_broker(&config.rabbitmq, Arc::new(broker));
     let connected = publisher.connect().await;
     let elapsed_ms = elapsed_ms(started);
+    let version = publisher.server_version();
     publisher.close().await;
     if let Err(e) = connected {
         return failed(started, &e);
     }
-    let version = tokio::time::timeout(
-        config.rabbitmq.connect_timeout,
-        broker_version(&config.rabbitmq.uri),
-    )
-    .await
-    .unwrap_or_else(|_| Err("no Connection.Start in time".into()));
     Reached {
         ok: true,
-        version: Some(version.unwrap_or_else(|e| format!("unknown ({e})"))),
+        version: Some(version.unwrap_or_else(|| "unknown (not read over amqps://)".into())),
         clock_offset_ms: None,
         elapsed_ms,
         error: None,
-    }
-}
-
-/// The broker's product and version, from the Connection.Start it sends a client that opens
-/// an AMQP 0-9-1 connection (plain `amqp://` only; the client's library does not keep them).
-/// The socket is closed right after: the broker may log a handshake that was not finished.
-async fn broker_version(uri: &str) -> Result<String, String> {
-    let parsed: lapin::uri::AMQPUri = uri.parse().map_err(|e: String| redact_text(&e))?;
-    if parsed.scheme != lapin::uri::AMQPScheme::AMQP {
-        return Err("not read over amqps://".into());
-    }
-    let host = parsed.authority.host.clone();
-    let mut socket = tokio::net::TcpStream::connect((host.as_str(), parsed.authority.port))
-        .await
-        .map_err(|e| e.to_string())?;
-    socket
-        .write_all(b"AMQP\x00\x00\x09\x01")
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut head = [0u8; 7];
-    socket
-        .read_exact(&mut head)
-        .await
-        .map_err(|e| e.to_string())?;
-    let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
-    if head[0] != 1 || size > MAX_START_FRAME {
-        return Err("the broker sent no Connection.Start".into());
-    }
-    let mut payload = vec![0u8; size];
-    socket
-        .read_exact(&mut payload)
-        .await
-        .map_err(|e| e.to_string())?;
-    // class 10 (connection), method 10 (start), version-major, version-minor, properties.
-    if payload.get(..4) != Some(&[0, 10, 0, 10][..]) {
-        return Err("the broker sent no Connection.Start".into());
-    }
-    let table = payload.get(6..).unwrap_or_default();
-    let (_, properties) = lapin::types::parsing::parse_field_table(table)
-        .map_err(|_| "unreadable server properties".to_string())?;
-    let text = |key: &str| match properties.inner().get(key) {
-        Some(lapin::types::AMQPValue::LongString(s)) => Some(s.to_string()),
-        _ => None,
-    };
-    match (text("product"), text("version")) {
-        (Some(product), Some(version)) => Ok(format!("{product} {version}")),
-        (None, Some(version)) => Ok(version),
-        _ => Err("the broker did not say".into()),
     }
 }
 

@@ -29,7 +29,10 @@
 mod claim;
 mod control;
 mod held;
+pub mod lapinlink;
 pub mod link;
+#[cfg(test)]
+mod linktests;
 pub mod publisher;
 pub mod ratelimit;
 mod settle;
@@ -382,13 +385,9 @@ impl Dispatcher {
             m::lease_lost(n);
             let in_flight = std::mem::take(&mut self.in_flight);
             self.release_records(in_flight, "publish_failed");
-            match Publisher::new(&self.config.rabbitmq) {
-                Ok(p) => self.publisher = Some(p),
-                Err(err) => {
-                    self.failed = Some(format!("cannot recreate the publisher: {err}"));
-                    self.shutdown.cancel();
-                }
-            }
+            // The same broker, and the watch the loop reads (issue 25, 8.8: a publisher built
+            // afresh had a watch of its own, and `connection.blocked` went unseen from then on).
+            self.publisher = Some(Publisher::renewed(&self.config.rabbitmq, &self.watch));
             self.link_up = false;
         } else if self.claims.is_running() {
             // Settling tasks catch their own panics, so this was the claim.

@@ -2,7 +2,7 @@
 //! a time, by a task that owns the link for the length of the wave), and settling each record
 //! of a wave as soon as the wave's outcomes are known.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
@@ -23,6 +23,9 @@ impl Dispatcher {
             Ok(()) => {
                 self.health.set_up(m::RABBITMQ, true);
                 self.link_backoff.reset();
+            }
+            Err(PublishError::Stopped) => {
+                tracing::debug!("shutdown began before the RabbitMQ connection was open");
             }
             Err(e) => {
                 self.health.set_up(m::RABBITMQ, false);
@@ -141,7 +144,9 @@ impl Dispatcher {
         let handle = crate::host::spawn_in(&mut self.tasks, async move {
             let result = tokio::select! {
                 r = publisher.connect() => r,
-                _ = shutdown.cancelled() => Ok(()),
+                // Not `Ok`: a connect cut short says nothing of the broker (issue 25: it
+                // marked RabbitMQ up).
+                _ = shutdown.cancelled() => Err(PublishError::Stopped),
             };
             Done::Link {
                 publisher: Box::new(publisher),

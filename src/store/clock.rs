@@ -9,7 +9,7 @@
 //! decision. The wall clock is used only before the first reading and for the offset gauge.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use tokio::time::Instant;
 
 use bson::DateTime;
@@ -97,6 +97,7 @@ impl ServerClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
     fn truth_ms() -> i64 {
         SystemTime::now()

@@ -1,0 +1,3 @@
+//! The simulation's models and runner (`tests/simulate.rs`).
+
+pub mod rabbit;
