@@ -86,10 +86,19 @@ fn start_secantus() -> String {
             .tempdir()
             .expect("temp dir for secantusd-rs");
         let mut cmd = Command::new("secantusd-rs");
-        cmd.args(["--port", "0", "--log-level", "WARNING", "--storage-path"])
-            .arg(dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+        // Test commands: `configureFailPoint` (failCommand, maxTimeAlwaysTimeOut) for the
+        // fault cases of tests/conformance_mongodb.rs.
+        cmd.args([
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            "--enable-test-commands",
+            "--storage-path",
+        ])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
         // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
         unsafe {
             use std::os::unix::process::CommandExt;
