@@ -390,8 +390,11 @@ async fn the_ttl_index_follows_keep() {
     let env = TestEnv::new().await;
     let store = common::csharp::store_with(&env.config()).await;
     let expiry = || async {
-        let indexes: Vec<_> = store
-            .history()
+        let indexes: Vec<_> = env
+            .coll
+            .client()
+            .database(&env.db_name)
+            .collection::<Document>(store.history().name())
             .list_indexes()
             .await
             .unwrap()

@@ -490,3 +490,56 @@ async fn requeue_never_deletes_a_parked_copy_made_again_meanwhile() {
     assert_eq!(env.count(doc! { "_id": uuid(id) }).await, 0);
     env.cleanup().await;
 }
+
+/// A failed send is counted only by the record's holder: an instance whose lease was lost
+/// (another instance holds the record now) counts nothing, so the record is not parked before
+/// `max_attempts` sends of it failed (issue 25's review: `count_failure` had no owner guard,
+/// and counted the stale holder's failure beside the new holder's).
+#[tokio::test]
+async fn only_the_holder_counts_a_failed_send() {
+    use timeoutd::store::Store;
+    use timeoutd::store::clock::ServerClock;
+
+    let env = TestEnv::new().await;
+    let store = Store::connect(&env.config().mongodb, ServerClock::default())
+        .await
+        .unwrap();
+    store.refresh_clock().await.unwrap();
+    let parking = store.parking();
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(-10),
+        doc! {},
+    )])
+    .await;
+    let claim = store.claim(1, Duration::from_secs(30)).await.unwrap();
+    let row = claim.rows.into_iter().next().expect("claimed the record");
+    let owner = claim.lease.owner;
+    assert_eq!(
+        parking.count_failure(&row.id, owner, "no queue").await.unwrap(),
+        Some(1)
+    );
+    // Another instance holds the record now (as after this lease ran out and a claim took it).
+    env.coll
+        .update_one(
+            doc! { "_id": uuid(id) },
+            doc! { "$set": { "LockedBy": uuid(Uuid::new_v4()) } },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        parking.count_failure(&row.id, owner, "no queue").await.unwrap(),
+        None,
+        "the stale holder counts nothing"
+    );
+    let counted = attempts_coll(&env)
+        .find_one(doc! { "_id": uuid(id) })
+        .await
+        .unwrap()
+        .expect("the holder's count");
+    assert_eq!(counted.get("attempts"), Some(&Bson::Int32(1)));
+    env.cleanup().await;
+}

@@ -176,7 +176,6 @@ async fn reach_mongodb(config: &Config) -> Reached {
 /// The server's version, from `buildInfo`.
 async fn server_version(store: &Store) -> Result<String, StoreError> {
     let reply = store
-        .db
         .run_command(store.command(doc! { "buildInfo": 1 }))
         .await?;
     Ok(reply.get_str("version").unwrap_or("unknown").to_string())

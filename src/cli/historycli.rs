@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
 use clap::Args;
-use futures::TryStreamExt;
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -97,16 +96,13 @@ impl Store {
             filter.insert(field::AT, doc! { "$gte": since });
         }
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.history()
                     .find(filter)
                     .sort(doc! { field::AT: -1 })
                     .limit(f.limit)
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         Ok(docs.iter().map(Entry::from_doc).collect())
     }

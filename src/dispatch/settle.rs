@@ -143,10 +143,18 @@ async fn retry_or_park(
     };
     let parking = store.parking();
     let attempts = match store
-        .bounded("count a failed send", parking.count_failure(&r.id, &error))
+        .bounded(
+            "count a failed send",
+            parking.count_failure(&r.id, owner, &error),
+        )
         .await
     {
-        Ok(n) => n,
+        Ok(Some(n)) => n,
+        Ok(None) => {
+            m::lease_lost(1);
+            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, "send refused and the lease was lost before the failure was counted");
+            return;
+        }
         Err(e) => {
             tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not count the failed send; releasing");
             release(store, std::slice::from_ref(&r.id), owner, "publish_failed").await;

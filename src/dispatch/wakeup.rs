@@ -43,8 +43,8 @@ pub async fn run(
                     match event {
                         Some(Ok(event)) => {
                             let due = event
-                                .full_document
-                                .as_ref()
+                                .get_document("fullDocument")
+                                .ok()
                                 .and_then(|d| TimeoutRecord::decode_due(d, store.encoding()));
                             let soon = crate::store::lease::add(store.clock().now(), look_ahead);
                             if due.is_some_and(|due| due <= soon) {

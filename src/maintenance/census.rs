@@ -12,7 +12,6 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
 use serde::Serialize;
 
 use crate::record::due::{self, Shape};
@@ -255,16 +254,13 @@ impl Store {
         kind: &str,
     ) -> Result<Vec<(Bson, Option<String>)>, StoreError> {
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.coll
                     .find(filter)
                     .projection(doc! { field::ID: 1, shown: 1, field::DESTINATION: 1 })
                     .limit(NAMED_PER_CENSUS)
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         let mut named = locked(&state.named);
         let mut fresh = Vec::new();
@@ -287,16 +283,13 @@ impl Store {
         lease_len: Duration,
     ) -> Result<u64, StoreError> {
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.coll
                     .find(lease::stuck())
                     .projection(doc! { field::ID: 1 })
                     .limit(STUCK_TRACKED)
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         let now = Instant::now();
         let old: Vec<Bson> = {
@@ -328,6 +321,6 @@ impl Store {
         for id in &old {
             since.remove(&key_of(id));
         }
-        Ok(freed.modified_count)
+        Ok(freed.modified)
     }
 }

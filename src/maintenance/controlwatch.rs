@@ -39,7 +39,7 @@ pub async fn watch(
             opened_at = Some(tokio::time::Instant::now());
             stream = store
                 .bounded("watch the control collection", async {
-                    Ok(store.control.watch().await?)
+                    Ok(store.control.watch(Vec::new()).await?)
                 })
                 .await
                 .ok();

@@ -18,12 +18,10 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
-use mongodb::IndexModel;
-use mongodb::options::IndexOptions;
 use serde::Serialize;
 
 use crate::operator::listing::show_instant;
+use crate::store::indexes::{create_index, index_spec};
 use crate::store::{Store, StoreError};
 
 /// How long audit entries are kept.
@@ -143,25 +141,14 @@ fn date(d: &Document, key: &str) -> Option<DateTime> {
 impl Store {
     /// The TTL index that ends pauses, ramps and old audit entries, and the index on `kind`.
     pub async fn ensure_control_indexes(&self) -> Result<(), StoreError> {
-        let ttl = IndexModel::builder()
-            .keys(doc! { "expire_at": 1 })
-            .options(
-                IndexOptions::builder()
-                    .name("timeoutd_control_ttl".to_string())
-                    .expire_after(Duration::ZERO)
-                    .build(),
-            )
-            .build();
-        self.query(self.control.create_index(ttl)).await?;
-        let kind = IndexModel::builder()
-            .keys(doc! { "kind": 1 })
-            .options(
-                IndexOptions::builder()
-                    .name("timeoutd_control_kind".to_string())
-                    .build(),
-            )
-            .build();
-        self.query(self.control.create_index(kind)).await?;
+        let ttl = index_spec(
+            "timeoutd_control_ttl",
+            doc! { "expire_at": 1 },
+            Some(Duration::ZERO),
+        );
+        self.query(create_index(&self.control, ttl)).await?;
+        let kind = index_spec("timeoutd_control_kind", doc! { "kind": 1 }, None);
+        self.query(create_index(&self.control, kind)).await?;
         Ok(())
     }
 
@@ -255,7 +242,7 @@ impl Store {
             )
             .await?;
         }
-        Ok(was.deleted_count == 1)
+        Ok(was.deleted == 1)
     }
 
     /// The pauses in force now (a pause past its `until` is over, whether or not the TTL
@@ -278,15 +265,12 @@ impl Store {
     }
 
     async fn control_docs(&self, kind: &str) -> Result<Vec<Document>, StoreError> {
-        self.query(async {
+        self.query(
             self.control
                 .find(doc! { "kind": kind })
                 .limit(10_000)
-                .max_time(self.server_limit())
-                .await?
-                .try_collect()
-                .await
-        })
+                .max_time(self.server_limit()),
+        )
         .await
     }
 

@@ -12,7 +12,6 @@
 use std::collections::HashSet;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -233,7 +232,7 @@ impl Store {
                 .sort(shape.sort())
                 .limit(i64::from(limit))
                 .max_time(self.server_limit());
-            async move { find.await?.try_collect::<Vec<Document>>().await }
+            find.into_future()
         });
         let found = self.query(futures::future::try_join_all(reads)).await?;
         let mut docs: Vec<(i64, Document)> = found
@@ -273,16 +272,13 @@ impl Store {
     /// The `_id`s with failed sends counted (at most [`MAX_LIMIT`] of them).
     async fn retrying_ids(&self) -> Result<Vec<Bson>, StoreError> {
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.attempts
                     .find(doc! {})
                     .projection(doc! { field::ID: 1 })
                     .limit(i64::from(MAX_LIMIT))
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         Ok(crate::record::ids_of(docs))
     }
@@ -293,15 +289,12 @@ impl Store {
             return Ok(HashSet::new());
         }
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.attempts
                     .find(doc! { field::ID: { "$in": ids } })
                     .projection(doc! { field::ID: 1 })
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         Ok(crate::record::ids_of(docs)
             .iter()
@@ -325,16 +318,13 @@ impl Store {
             );
         }
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.parked
                     .find(doc! { "$and": clauses })
                     .sort(doc! { PARKED_AT: 1 })
                     .limit(i64::from(limit))
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         let now = self.clock.now();
         Ok(docs

@@ -13,7 +13,6 @@
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -98,15 +97,12 @@ impl Store {
     /// The records `selector` names, as stored. Unknown ids are bad input.
     async fn select(&self, selector: &Selector) -> Result<Vec<Document>, OpsError> {
         let docs: Vec<Document> = self
-            .query(async {
+            .query(
                 self.coll
                     .find(selector.filter())
                     .limit(MAX_SELECTED)
-                    .max_time(self.server_limit())
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .max_time(self.server_limit()),
+            )
             .await?;
         match selector {
             Selector::Ids(ids) => {
@@ -170,7 +166,7 @@ impl Store {
         // no longer matches.
         let filter = lease::all_of([doc! { field::ID: { "$in": &ids } }, lease::claimable(now)]);
         let deleted = self.query(self.coll.delete_many(filter)).await?;
-        let still_there = if deleted.deleted_count < ids.len() as u64 {
+        let still_there = if deleted.deleted < ids.len() as u64 {
             self.query(self.existing_raw(&ids)).await?
         } else {
             Vec::new()
@@ -231,7 +227,7 @@ impl Store {
                         .update_one(filter, doc! { "$set": { field::TIME: new_time } }),
                 )
                 .await?;
-            if moved.matched_count == 1 {
+            if moved.matched == 1 {
                 outcomes.push(outcome(self, d, now, "rescheduled", shown));
                 continue;
             }
@@ -251,12 +247,13 @@ impl Store {
     }
 
     /// Of `ids`, the documents still in the collection.
-    async fn existing_raw(&self, ids: &[Bson]) -> Result<Vec<Document>, mongodb::error::Error> {
+    async fn existing_raw(
+        &self,
+        ids: &[Bson],
+    ) -> Result<Vec<Document>, crate::store::backend::MongoError> {
         self.coll
             .find(doc! { field::ID: { "$in": ids } })
             .max_time(self.server_limit())
-            .await?
-            .try_collect()
             .await
     }
 }

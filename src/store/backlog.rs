@@ -97,7 +97,7 @@ impl Store {
             .query(
                 self.coll
                     .count_documents(lease::except(claimable, &paused))
-                    .limit(up_to)
+                    .limit(count_limit(up_to))
                     .max_time(self.server_limit()),
             )
             .await?;
@@ -111,7 +111,7 @@ impl Store {
                 self.query(
                     self.coll
                         .count_documents(of_paused)
-                        .limit(up_to)
+                        .limit(count_limit(up_to))
                         .max_time(self.server_limit()),
                 )
                 .await?
@@ -163,6 +163,11 @@ impl Store {
             (at, d.get(field::ID).cloned().unwrap_or(Bson::Null))
         }))
     }
+}
+
+/// A count's limit as the driver's builders take it.
+fn count_limit(up_to: u64) -> i64 {
+    i64::try_from(up_to).unwrap_or(i64::MAX)
 }
 
 fn age_seconds(now: DateTime, due: DateTime) -> f64 {

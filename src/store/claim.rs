@@ -6,7 +6,6 @@ use std::future::IntoFuture;
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document};
-use futures::TryStreamExt;
 
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
 use crate::store::lease::{self, Lease};
@@ -220,7 +219,7 @@ impl Store {
         for docs in Self::timed(
             "find",
             futures::future::try_join_all(
-                reads.map(|find| async move { find.await?.try_collect::<Vec<Document>>().await }),
+                reads.map(IntoFuture::into_future),
             ),
         )
         .await?
@@ -310,16 +309,16 @@ impl Store {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
         if let Ok(r) = &taken
-            && r.modified_count < candidates.len() as u64
+            && r.modified < candidates.len() as u64
         {
             self.window.raced();
         }
         let rows = match taken {
-            Ok(r) if r.modified_count == 0 => Ok(Vec::new()),
+            Ok(r) if r.modified == 0 => Ok(Vec::new()),
             // Every candidate matched the compare-and-swap, so every one is now under this
             // lease: the documents read are the batch (ServiceConnect changes only the lease
             // fields of a stored record), and the read-back is skipped.
-            Ok(r) if r.modified_count == candidates.len() as u64 => Ok(found
+            Ok(r) if r.modified == candidates.len() as u64 => Ok(found
                 .into_iter()
                 .map(|d| ClaimedRow::held(d, &lease, self))
                 .collect()),
@@ -346,13 +345,11 @@ impl Store {
         &self,
         candidates: &[Bson],
         lease: &Lease,
-    ) -> Result<Vec<ClaimedRow>, mongodb::error::Error> {
+    ) -> Result<Vec<ClaimedRow>, crate::store::backend::MongoError> {
         let docs: Vec<Document> = self
             .coll
             .find(lease::held_many(candidates, lease.owner, self.clock.now()))
             .max_time(self.server_limit())
-            .await?
-            .try_collect()
             .await?;
         let mut rows: Vec<ClaimedRow> = docs
             .into_iter()

@@ -14,13 +14,12 @@
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
-use mongodb::options::IndexOptions;
-use mongodb::{Collection, IndexModel};
 use tokio::sync::mpsc;
 
 pub use crate::config::HistoryConfig;
 use crate::metrics as m;
+use crate::store::coll::Coll;
+use crate::store::indexes::{create_index, index_spec};
 use crate::store::{Store, StoreError};
 
 /// Waves waiting for the writer at most; beyond that rows are dropped and counted.
@@ -197,31 +196,26 @@ pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
 
 impl Store {
     /// The history collection: `<collection>_history`.
-    pub fn history(&self) -> Collection<Document> {
-        self.db.collection(&format!("{}_history", self.coll.name()))
+    pub fn history(&self) -> Coll {
+        Coll::new(
+            self.backend.clone(),
+            &format!("{}_history", self.coll.name()),
+        )
     }
 
     /// The TTL index on the send time (`keep`; an existing index with another expiry is
     /// changed with `collMod`) and the indexes `timeoutd history` reads by.
     pub async fn ensure_history_indexes(&self, keep: Duration) -> Result<(), StoreError> {
         let coll = self.history();
-        let ttl = IndexModel::builder()
-            .keys(doc! { field::AT: 1 })
-            .options(
-                IndexOptions::builder()
-                    .name(TTL_INDEX.to_string())
-                    .expire_after(keep)
-                    .build(),
-            )
-            .build();
-        if let Err(e) = self.query(coll.create_index(ttl)).await {
+        let ttl = index_spec(TTL_INDEX, doc! { field::AT: 1 }, Some(keep));
+        if let Err(e) = self.query(create_index(&coll, ttl)).await {
             // Most likely the index exists with another `keep`: change it in place.
             let secs = i64::try_from(keep.as_secs()).unwrap_or(i64::MAX);
             let change = doc! {
                 "collMod": coll.name(),
                 "index": { "name": TTL_INDEX, "expireAfterSeconds": secs },
             };
-            self.query(self.db.run_command(change))
+            self.query(self.backend.command(change))
                 .await
                 .map_err(|_| e)?;
         }
@@ -232,11 +226,8 @@ impl Store {
             ),
             ("timeoutd_history_timeout", doc! { field::TIMEOUT_ID: 1 }),
         ] {
-            let index = IndexModel::builder()
-                .keys(keys)
-                .options(IndexOptions::builder().name(name.to_string()).build())
-                .build();
-            self.query(coll.create_index(index)).await?;
+            self.query(create_index(&coll, index_spec(name, keys, None)))
+                .await?;
         }
         Ok(())
     }
@@ -256,15 +247,12 @@ impl Store {
         let ids: Vec<Bson> = rows.iter().filter_map(|r| r.attempts_of.clone()).collect();
         if !ids.is_empty() {
             let counted: Result<Vec<Document>, StoreError> = self
-                .query(async {
+                .query(
                     self.attempts
                         .find(doc! { "_id": { "$in": &ids } })
                         .projection(doc! { "attempts": 1 })
-                        .max_time(self.server_limit())
-                        .await?
-                        .try_collect()
-                        .await
-                })
+                        .max_time(self.server_limit()),
+                )
                 .await;
             match counted {
                 Ok(counts) => {

@@ -13,15 +13,14 @@ use std::collections::HashMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use bson::{Document, doc};
-use futures::TryStreamExt;
-use mongodb::IndexModel;
-use mongodb::options::IndexOptions;
+use bson::{Bson, Document, doc};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics as m;
 use crate::record::due::Shape;
 use crate::record::field;
+use crate::store::backend::MongoError;
+use crate::store::coll::Coll;
 use crate::store::serverload::{Pacing, timed_out};
 use crate::store::{Store, StoreError};
 
@@ -71,21 +70,7 @@ impl Store {
     /// index made redundant that way (created before v7's appeared) is to be dropped; no
     /// index timeoutd did not create is ever touched.
     pub async fn index_plan(&self) -> Result<IndexPlan, StoreError> {
-        let limit = self.server_limit();
-        let listed: Vec<mongodb::IndexModel> =
-            match self.query(self.coll.list_indexes().max_time(limit)).await {
-                Ok(cursor) => self.query(cursor.try_collect::<Vec<_>>()).await?,
-                Err(e) if timed_out(&e) => return Err(e),
-                // No collection yet (servers differ in how they say so): no index either.
-                Err(_) => Vec::new(),
-            };
-        let existing: Vec<(String, Document)> = listed
-            .into_iter()
-            .map(|m| {
-                let name = m.options.and_then(|o| o.name).unwrap_or_default();
-                (name, m.keys)
-            })
-            .collect();
+        let existing = self.query(list_indexes(&self.coll, self.server_limit())).await?;
         let served = |first: &str, ours: &str| {
             existing
                 .iter()
@@ -130,20 +115,20 @@ impl Store {
         }) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        let model = IndexModel::builder()
-            .keys(keys)
-            .options(IndexOptions::builder().name(name.to_string()).build())
-            .build();
-        self.query(self.coll.create_index(model)).await?;
+        self.query(create_index(&self.coll, index_spec(name, keys, None)))
+            .await?;
         Ok(())
     }
 
     /// Drops timeoutd's own indexes that another index made redundant.
     async fn drop_redundant(&self, redundant: &[&'static str]) {
         for name in redundant {
-            let drop = self.coll.drop_index(*name).max_time(self.server_limit());
-            match self.query(drop).await {
-                Ok(()) => {
+            let drop = self.run_command(self.command(doc! {
+                "dropIndexes": self.coll.name(),
+                "index": *name,
+            }));
+            match crate::deadline::within(self.op_timeout, "drop an index", drop).await {
+                Ok(_) => {
                     tracing::info!(
                         index = name,
                         "dropped timeoutd's own index: another one serves the same queries, and each index costs every write"
@@ -177,39 +162,100 @@ impl Store {
     /// The default database changed to the public releases' spelling: say so when this
     /// collection is empty and the other spelling's is not.
     async fn warn_if_other_spelling_holds_records(&self) {
-        use crate::config::{LEASE_ERA_DATABASE, PUBLIC_DATABASE};
-        let other = match self.db.name() {
-            PUBLIC_DATABASE => LEASE_ERA_DATABASE,
-            LEASE_ERA_DATABASE => PUBLIC_DATABASE,
-            _ => return,
+        let Some((other, theirs)) = &self.other_spelling else {
+            return;
         };
-        let ours = self
-            .query(
-                self.coll
-                    .estimated_document_count()
-                    .max_time(self.server_limit()),
-            )
-            .await;
-        let theirs = self
-            .query(
-                self.db
-                    .client()
-                    .database(other)
-                    .collection::<Document>(self.coll.name())
-                    .estimated_document_count()
-                    .max_time(self.server_limit()),
-            )
-            .await;
+        let ours = self.query(estimated_count(&self.coll, self.server_limit())).await;
+        let theirs = self.query(estimated_count(theirs, self.server_limit())).await;
         if let (Ok(0), Ok(n)) = (ours, theirs)
             && n > 0
         {
             tracing::warn!(
-                database = self.db.name(),
+                database = &*self.database,
                 other_database = other,
                 records_there = n,
                 "this database's timeouts collection is empty but the other spelling of the ServiceConnect database holds records: set [mongodb] database to the one your services write"
             );
         }
+    }
+}
+
+/// An index as `createIndexes` takes it: `keys`, `name`, and for a TTL index its expiry (in
+/// whole seconds, as the driver's `IndexOptions::expire_after` sends it).
+pub(crate) fn index_spec(name: &str, keys: Document, expire_after: Option<Duration>) -> Document {
+    let mut spec = doc! { "key": keys, "name": name };
+    if let Some(after) = expire_after {
+        let secs = after.as_secs();
+        let secs = match i32::try_from(secs) {
+            Ok(s) => Bson::Int32(s),
+            Err(_) => Bson::Int64(i64::try_from(secs).unwrap_or(i64::MAX)),
+        };
+        spec.insert("expireAfterSeconds", secs);
+    }
+    spec
+}
+
+/// `createIndexes` of one index on `coll`. Carries no `maxTimeMS`: that would abort a build.
+pub(crate) async fn create_index(coll: &Coll, spec: Document) -> Result<(), MongoError> {
+    let command = doc! { "createIndexes": coll.name(), "indexes": [spec] };
+    coll.backend().command(command).await.map(drop)
+}
+
+/// MongoDB's code for a collection (namespace) that does not exist.
+const NAMESPACE_NOT_FOUND: i32 = 26;
+
+fn namespace_not_found(e: &MongoError) -> bool {
+    matches!(e.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if c.code == NAMESPACE_NOT_FOUND)
+}
+
+/// The indexes of `coll` (`listIndexes` under `maxTimeMS`), each its name and keys; none when
+/// the collection does not exist. Any other error is an error: read as "no index", it made
+/// every round after a transient failure create indexes beside v7's that serve the same
+/// queries (and the plan never drops an index it did not find).
+pub(crate) async fn list_indexes(
+    coll: &Coll,
+    limit: Duration,
+) -> Result<Vec<(String, Document)>, MongoError> {
+    let command = doc! { "listIndexes": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+    let reply = match coll.backend().command(command).await {
+        Ok(reply) => reply,
+        Err(e) if namespace_not_found(&e) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    // At most 64 indexes a collection: the first batch holds them all.
+    let batch = reply
+        .get_document("cursor")
+        .and_then(|c| c.get_array("firstBatch"))
+        .map_err(|e| {
+            MongoError::from(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("listIndexes reply without cursor.firstBatch: {e}"),
+            ))
+        })?;
+    Ok(batch
+        .iter()
+        .filter_map(Bson::as_document)
+        .map(|ix| {
+            let name = ix.get_str("name").unwrap_or_default().to_string();
+            let keys = ix.get_document("key").cloned().unwrap_or_default();
+            (name, keys)
+        })
+        .collect())
+}
+
+/// The estimated count of `coll` (the `count` command, as the driver's
+/// `estimated_document_count` sends it); 0 when it does not exist.
+async fn estimated_count(coll: &Coll, limit: Duration) -> Result<u64, MongoError> {
+    let command = doc! { "count": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+    match coll.backend().command(command).await {
+        Ok(reply) => Ok(match reply.get("n") {
+            Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
+            Some(Bson::Int64(n)) => u64::try_from(*n).unwrap_or(0),
+            Some(Bson::Double(n)) if *n >= 0.0 => *n as u64,
+            _ => 0,
+        }),
+        Err(e) if namespace_not_found(&e) => Ok(0),
+        Err(e) => Err(e),
     }
 }
 

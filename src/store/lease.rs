@@ -261,6 +261,12 @@ pub fn expired(now: DateTime) -> Document {
     doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: { "$lte": now } }
 }
 
+/// [`expired`] at `now`, restricted to `ids`: the reaper's write, by `_id`, that leaves
+/// alone a record claimed again since its lease was read as expired.
+pub fn expired_among(ids: &[Bson], now: DateTime) -> Document {
+    all_of([doc! { field::ID: { "$in": ids } }, expired(now)])
+}
+
 /// Records locked with no lease expiry (missing or null): what public ServiceConnect's own
 /// poller leaves when it dies between its `FindAndModify` and its delete. No lease ever
 /// frees them; the reaper does once it has seen them locked for a whole lease.

@@ -10,6 +10,8 @@ pub mod backend;
 pub mod backlog;
 pub mod claim;
 pub mod clock;
+pub mod coll;
+pub mod driver;
 pub mod durability;
 pub mod head;
 pub mod history;
@@ -25,16 +27,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
-use mongodb::change_stream::event::ChangeStreamEvent;
-use mongodb::options::{Acknowledgment, ClientOptions};
-use mongodb::{Client, Collection, Database};
 use uuid::Uuid;
 
 use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
 use crate::record::due::Shape;
 use crate::record::{Decoding, TimeoutRecord, field};
+use crate::store::backend::{Backend, ChangeStream};
 use crate::store::clock::ServerClock;
+use crate::store::coll::Coll;
 use crate::store::shapes::ShapeCache;
 use crate::store::window::ReadWindow;
 
@@ -64,12 +64,18 @@ pub enum StoreError {
 /// A handle on the `Timeouts` collection; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Store {
-    pub(crate) db: Database,
-    pub(crate) coll: Collection<Document>,
-    pub(crate) parked: Collection<Document>,
-    pub(crate) attempts: Collection<Document>,
+    /// MongoDB: the driver, or a model ([`crate::store::backend`]).
+    pub(crate) backend: Arc<dyn Backend>,
+    /// `[mongodb] database`.
+    pub(crate) database: Arc<str>,
+    pub(crate) coll: Coll,
+    pub(crate) parked: Coll,
+    pub(crate) attempts: Coll,
     /// timeoutd's control collection: pauses, ramps and the audit of operator actions.
-    pub(crate) control: Collection<Document>,
+    pub(crate) control: Coll,
+    /// The same collection in the other spelling of the ServiceConnect database, when the
+    /// backend can reach it (the driver): read once, for a warning ([`crate::store::indexes`]).
+    pub(crate) other_spelling: Option<(&'static str, Coll)>,
     pub(crate) encoding: TimeEncoding,
     pub(crate) uuids: UuidRepresentation,
     pub(crate) decoding: Decoding,
@@ -89,52 +95,38 @@ pub struct Store {
 }
 
 impl Store {
-    /// Parses the URI and builds a client. Refuses an unacknowledged write concern. The
-    /// driver connects lazily; [`Store::refresh_clock`] is the first round trip.
+    /// Parses the URI and builds a client ([`crate::store::driver::Driver`]). Refuses an
+    /// unacknowledged write concern. The driver connects lazily; [`Store::refresh_clock`] is
+    /// the first round trip.
     pub async fn connect(config: &MongoConfig, clock: ServerClock) -> Result<Self, StoreError> {
-        let mut options = ClientOptions::parse(&config.uri)
-            .await
-            .map_err(|e| StoreError::InvalidUri(crate::redact::redact_text(&e.kind.to_string())))?;
-        if let Some(wc) = &options.write_concern
-            && wc.w == Some(Acknowledgment::Nodes(0))
-        {
-            return Err(StoreError::UnacknowledgedWriteConcern);
-        }
-        if config.tls_ca_file.is_some() || config.tls_certificate_key_file.is_some() {
-            let mut tls = match options.tls.take() {
-                Some(mongodb::options::Tls::Enabled(t)) => t,
-                _ => mongodb::options::TlsOptions::default(),
-            };
-            if let Some(ca) = &config.tls_ca_file {
-                tls.ca_file_path = Some(ca.clone());
-            }
-            if let Some(cert_key) = &config.tls_certificate_key_file {
-                tls.cert_key_file_path = Some(cert_key.clone());
-            }
-            options.tls = Some(mongodb::options::Tls::Enabled(tls));
-        }
-        if options.app_name.is_none() {
-            options.app_name = Some("timeoutd".into());
-        }
-        if options.server_selection_timeout.is_none() {
-            options.server_selection_timeout = Some(Duration::from_secs(10));
-        }
+        let driver = crate::store::driver::Driver::connect(config).await?;
         let (write_concern, selection) = (
-            options.write_concern.clone(),
-            options.selection_criteria.clone(),
+            driver.write_concern().cloned(),
+            driver.selection_criteria().cloned(),
         );
-        let client = Client::with_options(options)?;
-        let db = client.database(&config.database);
-        let coll = db.collection::<Document>(&config.collection);
-        let parked = db.collection::<Document>(&config.parked_collection());
-        let attempts = db.collection::<Document>(&config.attempts_collection());
-        let control = db.collection::<Document>(&config.control_collection());
-        Ok(Self {
-            db,
-            coll,
-            parked,
-            attempts,
-            control,
+        let other_spelling = other_spelling(&config.database).map(|other| {
+            let db = driver.database().client().database(other);
+            let backend: Arc<dyn Backend> = Arc::new(crate::store::driver::Driver::new(db));
+            (other, Coll::new(backend, &config.collection))
+        });
+        let mut store = Self::with_backend(Arc::new(driver), config, clock);
+        store.write_concern = write_concern;
+        store.selection = selection;
+        store.other_spelling = other_spelling;
+        Ok(store)
+    }
+
+    /// A store over `backend`, the driver or a model, for the collections `config` names.
+    pub fn with_backend(backend: Arc<dyn Backend>, config: &MongoConfig, clock: ServerClock) -> Self {
+        let coll = |name: &str| Coll::new(backend.clone(), name);
+        Self {
+            coll: coll(&config.collection),
+            parked: coll(&config.parked_collection()),
+            attempts: coll(&config.attempts_collection()),
+            control: coll(&config.control_collection()),
+            backend,
+            database: Arc::from(config.database.as_str()),
+            other_spelling: None,
             encoding: config.time_encoding,
             uuids: config.uuid_representation,
             decoding: Decoding::from(config.time_encoding),
@@ -145,9 +137,9 @@ impl Store {
             shapes: Arc::new(ShapeCache::default()),
             op_timeout: config.operation_timeout,
             history_on: false,
-            write_concern,
-            selection,
-        })
+            write_concern: None,
+            selection: None,
+        }
     }
 
     /// Takes the settings outside `[mongodb]` that the store needs: whether decoded records
@@ -175,7 +167,6 @@ impl Store {
         self.uuids
     }
 
-    /// The parking collection and the failed-send counts that go with this store.
     /// Ends the client's server sessions and stops its background tasks, within `within`.
     /// Call before the async runtime ends: otherwise the client's drop spawns an
     /// `endSessions` task that can race the runtime's shutdown, and the driver panics
@@ -183,18 +174,19 @@ impl Store {
     /// Returns false when the deadline passed; the client is then leaked on purpose, so no
     /// drop spawns that task (the process is about to exit).
     pub async fn close(&self, within: Duration) -> bool {
-        let client = self.db.client().clone();
         let closing = async {
             crate::service::shutdown::stall().await;
-            client.clone().shutdown().await
+            self.backend.shutdown().await
         };
-        if tokio::time::timeout(within, closing).await.is_ok() {
-            return true;
-        }
-        std::mem::forget(client);
-        false
+        tokio::time::timeout(within, closing).await.is_ok()
     }
 
+    /// The backend this store runs on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The parking collection and the failed-send counts that go with this store.
     pub fn parking(&self) -> crate::store::parking::Parking {
         crate::store::parking::Parking::new(
             self.coll.clone(),
@@ -245,6 +237,11 @@ impl Store {
         command
     }
 
+    /// Runs one database command (no deadline of its own: callers bound it).
+    pub(crate) async fn run_command(&self, command: Document) -> Result<Document, StoreError> {
+        Ok(self.backend.command(command).await?)
+    }
+
     /// One driver call under `[mongodb] operation_timeout`, its error made a [`StoreError`]:
     /// the bound of every single query the store's own methods make.
     pub(crate) async fn query<T>(
@@ -283,10 +280,7 @@ impl Store {
     /// The settings that would let a failover undo a lease write or a read miss one, on the
     /// deployment the server describes (see [`crate::store::durability`]).
     pub async fn durability_risks(&self) -> Result<Vec<String>, StoreError> {
-        let hello = self
-            .db
-            .run_command(self.command(doc! { "hello": 1 }))
-            .await?;
+        let hello = self.run_command(self.command(doc! { "hello": 1 })).await?;
         Ok(crate::store::durability::risks(
             &hello,
             self.write_concern.as_ref(),
@@ -301,10 +295,7 @@ impl Store {
         let mut best: Option<(Duration, DateTime, tokio::time::Instant, tokio::time::Instant)> = None;
         for _ in 0..3 {
             let sent = tokio::time::Instant::now();
-            let reply = self
-                .db
-                .run_command(self.command(doc! { "hello": 1 }))
-                .await?;
+            let reply = self.run_command(self.command(doc! { "hello": 1 })).await?;
             let received = tokio::time::Instant::now();
             let server = *reply
                 .get_datetime("localTime")
@@ -331,7 +322,7 @@ impl Store {
                 .into_future(),
         )
         .await?;
-        Ok(r.deleted_count)
+        Ok(r.deleted)
     }
 
     /// Of `ids`, those still in the collection (to name the lost leases after a short delete).
@@ -341,8 +332,6 @@ impl Store {
             .find(doc! { field::ID: { "$in": ids } })
             .projection(doc! { field::ID: 1 })
             .max_time(self.server_limit())
-            .await?
-            .try_collect()
             .await?;
         Ok(crate::record::ids_of(docs))
     }
@@ -357,7 +346,7 @@ impl Store {
                 lease::release_update(self.uuids),
             )
             .await?;
-        Ok(r.matched_count == 1)
+        Ok(r.matched == 1)
     }
 
     /// Frees those of `ids` that `owner` still holds; returns how many.
@@ -377,32 +366,43 @@ impl Store {
                 .into_future(),
         )
         .await?;
-        Ok(r.matched_count)
+        Ok(r.matched)
     }
 
-    /// Frees every expired lease; returns how many.
+    /// Frees expired leases, at most [`REAP_BATCH`] a pass; returns how many. Bounded on the
+    /// server as a read is: the expired ones are read first (their `_id`s, under `maxTimeMS`,
+    /// at most a batch), then freed by `_id`, each still expired: a record claimed again in
+    /// between is not touched. (One `updateMany` over the expired range carries no
+    /// `maxTimeMS` and kept running on a slow server after the reaper gave up on it.)
     pub async fn reap(&self) -> Result<u64, StoreError> {
+        let now = self.clock.now();
+        let expired: Vec<Document> = self
+            .coll
+            .find(lease::expired(now))
+            .projection(doc! { field::ID: 1 })
+            .limit(REAP_BATCH)
+            .max_time(self.server_limit())
+            .await?;
+        let ids = crate::record::ids_of(expired);
+        if ids.is_empty() {
+            return Ok(0);
+        }
         let r = self
             .coll
-            .update_many(
-                lease::expired(self.clock.now()),
-                lease::release_update(self.uuids),
-            )
+            .update_many(lease::expired_among(&ids, now), lease::release_update(self.uuids))
             .await?;
-        if r.modified_count > 0 {
+        if r.modified > 0 {
             self.head.forget();
         }
-        Ok(r.modified_count)
+        Ok(r.modified)
     }
 
-    /// A change stream of the inserts into the collection (for [`crate::dispatch::wakeup`]).
-    pub async fn watch_inserts(
-        &self,
-    ) -> Result<mongodb::change_stream::ChangeStream<ChangeStreamEvent<Document>>, StoreError> {
+    /// A change stream of the inserts into the collection (for [`crate::dispatch::wakeup`]):
+    /// raw change events, the record under `fullDocument`.
+    pub async fn watch_inserts(&self) -> Result<ChangeStream, StoreError> {
         Ok(self
             .coll
-            .watch()
-            .pipeline([doc! { "$match": { "operationType": "insert" } }])
+            .watch(vec![doc! { "$match": { "operationType": "insert" } }])
             .await?)
     }
 
@@ -441,6 +441,19 @@ impl Store {
     }
 }
 
+/// The most expired leases one reaper pass frees ([`Store::reap`]).
+pub const REAP_BATCH: i64 = 1_000;
+
+/// The other spelling of the ServiceConnect database, for `database`, if it is one of them.
+fn other_spelling(database: &str) -> Option<&'static str> {
+    use crate::config::{LEASE_ERA_DATABASE, PUBLIC_DATABASE};
+    match database {
+        PUBLIC_DATABASE => Some(LEASE_ERA_DATABASE),
+        LEASE_ERA_DATABASE => Some(PUBLIC_DATABASE),
+        _ => None,
+    }
+}
+
 /// `maxTimeMS` for a limit: whole milliseconds, at least 1 (0 would mean no limit).
 pub fn max_time_ms(limit: Duration) -> i64 {
     i64::try_from(limit.as_millis()).unwrap_or(i64::MAX).max(1)
@@ -449,4 +462,161 @@ pub fn max_time_ms(limit: Duration) -> i64 {
 /// A time `d` after the server's `now`.
 pub fn server_time_in(clock: &ServerClock, d: Duration) -> DateTime {
     lease::add(clock.now(), d)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use futures::future::BoxFuture;
+
+    use super::*;
+    use crate::store::backend::{MongoError, Op, Reply, Written};
+
+    /// A backend that records each operation and command, answers a find with `found` and
+    /// a write with as many matched; a `listIndexes` fails as a lost connection does when
+    /// `list_fails`, else finds no collection.
+    #[derive(Debug, Default)]
+    struct Recording {
+        ops: Mutex<Vec<(String, Op)>>,
+        commands: Mutex<Vec<Document>>,
+        found: Vec<Document>,
+        list_fails: bool,
+    }
+
+    impl Backend for Recording {
+        fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+            let reply = match &op {
+                Op::Find { .. } => Reply::Docs(self.found.clone()),
+                Op::Update { .. } => Reply::Written(Written {
+                    matched: self.found.len() as u64,
+                    modified: self.found.len() as u64,
+                    ..Written::default()
+                }),
+                _ => Reply::Written(Written::default()),
+            };
+            self.ops
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((collection.to_owned(), op));
+            Box::pin(async move { Ok(reply) })
+        }
+
+        fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+            let reply = match command.keys().next().map(String::as_str) {
+                Some("listIndexes") if self.list_fails => Err(MongoError::from(
+                    std::io::Error::from(std::io::ErrorKind::ConnectionReset),
+                )),
+                Some("listIndexes") => Err(crate::store::backend::command_error(
+                    26,
+                    "NamespaceNotFound",
+                    "ns does not exist",
+                )),
+                _ => Ok(doc! { "ok": 1 }),
+            };
+            self.commands
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(command);
+            Box::pin(async move { reply })
+        }
+
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+            Box::pin(async { Err(command_error()) })
+        }
+
+        fn shutdown(&self) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    fn command_error() -> MongoError {
+        crate::store::backend::command_error(40573, "Location40573", "no change streams")
+    }
+
+    fn store(backend: Arc<Recording>) -> Store {
+        Store::with_backend(backend, &MongoConfig::default(), ServerClock::default())
+    }
+
+    /// Item 9 of issue 25: the reaper's write is bounded on the server. It reads the expired
+    /// leases' `_id`s under `maxTimeMS`, at most a batch, and frees them by `_id` with the
+    /// expired-lease guard; before, one `updateMany` over the whole expired range ran without
+    /// `maxTimeMS` and kept running on a slow server after the reaper gave up on it.
+    #[tokio::test]
+    async fn the_reaper_reads_ids_under_max_time_then_frees_by_id() {
+        let ids = [Bson::Int32(1), Bson::Int32(2)];
+        let backend = Arc::new(Recording {
+            found: ids.iter().map(|id| doc! { field::ID: id.clone() }).collect(),
+            ..Recording::default()
+        });
+        let store = store(backend.clone());
+        assert_eq!(store.reap().await.expect("reap"), 2);
+        let ops = backend.ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let [(_, Op::Find { filter: read, limit, max_time, .. }), (_, Op::Update { filter: write, many: true, .. })] =
+            ops.as_slice()
+        else {
+            panic!("not a bounded read then a write: {ops:?}");
+        };
+        assert_eq!(*limit, Some(REAP_BATCH));
+        assert_eq!(*max_time, Some(store.server_limit()));
+        let clauses = write.get_array("$and").expect("an $and of _id and the guard");
+        assert_eq!(
+            clauses.first(),
+            Some(&Bson::Document(doc! { field::ID: { "$in": ids.to_vec() } }))
+        );
+        // The guard is the read's own filter: a record claimed again since is not freed.
+        assert_eq!(clauses.get(1), Some(&Bson::Document(read.clone())));
+        assert_eq!(clauses.len(), 2);
+    }
+
+    /// Nothing expired: no write at all.
+    #[tokio::test]
+    async fn the_reaper_writes_nothing_when_nothing_expired() {
+        let backend = Arc::new(Recording::default());
+        assert_eq!(store(backend.clone()).reap().await.expect("reap"), 0);
+        let ops = backend.ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert!(matches!(ops.as_slice(), [(_, Op::Find { .. })]), "{ops:?}");
+    }
+
+    fn commands(backend: &Recording) -> Vec<String> {
+        let commands = backend.commands.lock().unwrap_or_else(|e| e.into_inner());
+        commands
+            .iter()
+            .filter_map(|c| c.keys().next().cloned())
+            .collect()
+    }
+
+    /// A collection that does not exist yet has no index: all of timeoutd's are created.
+    #[tokio::test]
+    async fn indexes_are_created_when_the_collection_does_not_exist() {
+        let backend = Arc::new(Recording::default());
+        store(backend.clone())
+            .ensure_indexes()
+            .await
+            .expect("indexes");
+        let created = commands(&backend)
+            .iter()
+            .filter(|c| *c == "createIndexes")
+            .count();
+        assert!(created >= 3, "{:?}", commands(&backend));
+    }
+
+    /// A `listIndexes` that failed for another reason (a lost connection) creates nothing
+    /// that round: read as "no index", it created indexes beside v7's that serve the same
+    /// queries, and never dropped them (issue 25's review).
+    #[tokio::test]
+    async fn a_failed_index_listing_creates_no_index() {
+        let backend = Arc::new(Recording {
+            list_fails: true,
+            ..Recording::default()
+        });
+        let store = store(backend.clone());
+        assert!(store.index_plan().await.is_err());
+        assert!(store.ensure_indexes().await.is_err());
+        assert_eq!(commands(&backend), ["listIndexes", "listIndexes"]);
+    }
 }

@@ -11,16 +11,14 @@
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::TryStreamExt;
-use mongodb::Collection;
-use mongodb::IndexModel;
-use mongodb::options::{IndexOptions, ReturnDocument};
 use serde::Serialize;
 use uuid::Uuid;
 
 use crate::record::{display_id, field};
 use crate::store::StoreError;
 use crate::store::clock::ServerClock;
+use crate::store::coll::Coll;
+use crate::store::indexes::{create_index, index_spec};
 use crate::store::lease;
 
 /// How long a failed-send count is kept after its last failure. A record that was sent in
@@ -115,9 +113,9 @@ pub enum Requeued {
 /// Access to the parking and attempts collections; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Parking {
-    timeouts: Collection<Document>,
-    parked: Collection<Document>,
-    attempts: Collection<Document>,
+    timeouts: Coll,
+    parked: Coll,
+    attempts: Coll,
     clock: ServerClock,
     /// The `maxTimeMS` of its reads ([`crate::store::Store::server_limit`]).
     server_limit: Duration,
@@ -125,9 +123,9 @@ pub struct Parking {
 
 impl Parking {
     pub(crate) fn new(
-        timeouts: Collection<Document>,
-        parked: Collection<Document>,
-        attempts: Collection<Document>,
+        timeouts: Coll,
+        parked: Coll,
+        attempts: Coll,
         clock: ServerClock,
         server_limit: Duration,
     ) -> Self {
@@ -142,31 +140,43 @@ impl Parking {
 
     /// The TTL index that clears old failed-send counts, and the parked listing order.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
-        let ttl = IndexModel::builder()
-            .keys(doc! { attempt_field::EXPIRE_AT: 1 })
-            .options(
-                IndexOptions::builder()
-                    .name("timeoutd_attempts_ttl".to_string())
-                    .expire_after(Duration::ZERO)
-                    .build(),
-            )
-            .build();
-        self.attempts.create_index(ttl).await?;
-        let by_time = IndexModel::builder()
-            .keys(doc! { parked_field::PARKED_AT: 1 })
-            .options(
-                IndexOptions::builder()
-                    .name("timeoutd_parked_at".to_string())
-                    .build(),
-            )
-            .build();
-        self.parked.create_index(by_time).await?;
+        let ttl = index_spec(
+            "timeoutd_attempts_ttl",
+            doc! { attempt_field::EXPIRE_AT: 1 },
+            Some(Duration::ZERO),
+        );
+        create_index(&self.attempts, ttl).await?;
+        let by_time = index_spec(
+            "timeoutd_parked_at",
+            doc! { parked_field::PARKED_AT: 1 },
+            None,
+        );
+        create_index(&self.parked, by_time).await?;
         Ok(())
     }
 
-    /// Counts one more failed send of record `id`; returns the count so far.
-    pub async fn count_failure(&self, id: &Bson, error: &str) -> Result<u32, StoreError> {
+    /// Counts one more failed send of record `id` by `owner`; returns the count so far, or
+    /// `None` when `owner` no longer holds the record under a live lease (nothing counted: the
+    /// send is the new holder's to count, and counting it here too would park the record
+    /// before `max_attempts` sends of it failed). The count lives in another collection, so
+    /// the guard is a read of the lease just before: a lease that runs out in between is one
+    /// the caller's margin left too little of.
+    pub async fn count_failure(
+        &self,
+        id: &Bson,
+        owner: Uuid,
+        error: &str,
+    ) -> Result<Option<u32>, StoreError> {
         let now = self.clock.now();
+        let held = self
+            .timeouts
+            .find_one(lease::held_one(id, owner, now))
+            .projection(doc! { field::ID: 1 })
+            .max_time(self.server_limit)
+            .await?;
+        if held.is_none() {
+            return Ok(None);
+        }
         let after = self
             .attempts
             .find_one_and_update(
@@ -182,7 +192,8 @@ impl Parking {
                 },
             )
             .upsert(true)
-            .return_document(ReturnDocument::After)
+            .return_new(true)
+            .max_time(self.server_limit)
             .await?;
         let n = after
             .and_then(|d| match d.get(attempt_field::ATTEMPTS) {
@@ -191,7 +202,7 @@ impl Parking {
                 _ => None,
             })
             .unwrap_or(1);
-        Ok(n.clamp(1, i64::from(u32::MAX)) as u32)
+        Ok(Some(n.clamp(1, i64::from(u32::MAX)) as u32))
     }
 
     /// Keeps record `id` leased by `owner` until `until`; `false` if the lease was lost.
@@ -203,7 +214,7 @@ impl Parking {
                 lease::defer_update(until),
             )
             .await?;
-        Ok(r.matched_count == 1)
+        Ok(r.matched == 1)
     }
 
     /// Copies `raw` (record `id`, held by `owner`) to the parking collection, then deletes it
@@ -237,7 +248,7 @@ impl Parking {
         self.attempts
             .delete_one(doc! { field::ID: id.clone() })
             .await?;
-        Ok(if deleted.deleted_count == 1 {
+        Ok(if deleted.deleted == 1 {
             Parked::Moved
         } else {
             Parked::CopiedLeaseLost
@@ -251,8 +262,6 @@ impl Parking {
             .find(doc! {})
             .sort(doc! { parked_field::PARKED_AT: 1 })
             .max_time(self.server_limit)
-            .await?
-            .try_collect()
             .await?;
         Ok(docs.iter().map(to_listed).collect())
     }
@@ -343,7 +352,7 @@ impl Parking {
             parked_field::PARK_ID: parked.get(parked_field::PARK_ID).cloned().unwrap_or(Bson::Null),
         };
         let deleted = self.parked.delete_one(this_copy).await?;
-        Ok(if deleted.deleted_count == 1 {
+        Ok(if deleted.deleted == 1 {
             outcome
         } else {
             Requeued::ParkedAgain
@@ -358,8 +367,6 @@ impl Parking {
             .sort(doc! { parked_field::PARKED_AT: 1 })
             .projection(doc! { field::ID: 1 })
             .max_time(self.server_limit)
-            .await?
-            .try_collect()
             .await?;
         Ok(crate::record::ids_of(docs))
     }
@@ -370,11 +377,11 @@ impl Parking {
             .parked
             .delete_one(doc! { field::ID: id.clone() })
             .await?;
-        Ok(r.deleted_count == 1)
+        Ok(r.deleted == 1)
     }
 }
 
-fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
+fn is_duplicate_key(e: &crate::store::backend::MongoError) -> bool {
     matches!(
         *e.kind,
         mongodb::error::ErrorKind::Write(mongodb::error::WriteFailure::WriteError(ref w)) if w.code == 11000

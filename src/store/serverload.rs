@@ -3,7 +3,8 @@
 //! - Every read carries its deadline to the server (`maxTimeMS`, the same
 //!   `[mongodb] operation_timeout` as the client's deadline; [`Store::server_limit`]), so that
 //!   work timeoutd gave up on stops on the server too. The driver (3.x) has no `maxTimeMS`
-//!   for inserts, updates and deletes; those are keyed by `_id` or served by an index.
+//!   for inserts, updates and deletes; those are keyed by `_id`: a write whose records are
+//!   found by a range (the reaper's) reads their `_id`s first, under `maxTimeMS` and a limit.
 //! - A call that failed is retried after an exponential back-off with jitter ([`Pacing`]),
 //!   and one that timed out (the client's deadline, or the server's `maxTimeMS`) not before
 //!   one more `operation_timeout` has passed: the abandoned run may still be running on the

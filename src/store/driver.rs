@@ -1,0 +1,291 @@
+//! [`Driver`]: the [`Backend`] of the daemon, MongoDB through the `mongodb` crate.
+//!
+//! Each [`Op`] becomes the one driver call it names, with its options (projection, sort,
+//! limit, `maxTimeMS`, upsert, the document returned); commands go to `runCommand` on the
+//! database; change streams yield each event as the raw document the server sent.
+
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use bson::Document;
+use futures::future::BoxFuture;
+use futures::{StreamExt, TryStreamExt};
+use mongodb::options::{Acknowledgment, ClientOptions, ReturnDocument};
+use mongodb::{Client, Database};
+
+use crate::config::MongoConfig;
+use crate::store::StoreError;
+use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Written};
+
+/// MongoDB through the `mongodb` driver: one database of one client.
+#[derive(Debug, Clone)]
+pub struct Driver {
+    db: Database,
+    /// The write concern and read preference the URI set, for
+    /// [`crate::store::Store::durability_risks`].
+    write_concern: Option<mongodb::options::WriteConcern>,
+    selection: Option<mongodb::options::SelectionCriteria>,
+}
+
+impl Driver {
+    /// Parses the URI and builds a client for `[mongodb] database`. Refuses an
+    /// unacknowledged write concern (w=0). The driver connects lazily: the first call is the
+    /// first round trip.
+    pub async fn connect(config: &MongoConfig) -> Result<Self, StoreError> {
+        let mut options = ClientOptions::parse(&config.uri)
+            .await
+            .map_err(|e| StoreError::InvalidUri(crate::redact::redact_text(&e.kind.to_string())))?;
+        if let Some(wc) = &options.write_concern
+            && wc.w == Some(Acknowledgment::Nodes(0))
+        {
+            return Err(StoreError::UnacknowledgedWriteConcern);
+        }
+        if config.tls_ca_file.is_some() || config.tls_certificate_key_file.is_some() {
+            let mut tls = match options.tls.take() {
+                Some(mongodb::options::Tls::Enabled(t)) => t,
+                _ => mongodb::options::TlsOptions::default(),
+            };
+            if let Some(ca) = &config.tls_ca_file {
+                tls.ca_file_path = Some(ca.clone());
+            }
+            if let Some(cert_key) = &config.tls_certificate_key_file {
+                tls.cert_key_file_path = Some(cert_key.clone());
+            }
+            options.tls = Some(mongodb::options::Tls::Enabled(tls));
+        }
+        if options.app_name.is_none() {
+            options.app_name = Some("timeoutd".into());
+        }
+        if options.server_selection_timeout.is_none() {
+            options.server_selection_timeout = Some(Duration::from_secs(10));
+        }
+        let (write_concern, selection) = (
+            options.write_concern.clone(),
+            options.selection_criteria.clone(),
+        );
+        let client = Client::with_options(options)?;
+        Ok(Self {
+            db: client.database(&config.database),
+            write_concern,
+            selection,
+        })
+    }
+
+    /// A backend over a database of a client built elsewhere (tests).
+    pub fn new(db: Database) -> Self {
+        Self {
+            db,
+            write_concern: None,
+            selection: None,
+        }
+    }
+
+    /// The database this backend runs on.
+    pub fn database(&self) -> &Database {
+        &self.db
+    }
+
+    /// The write concern the URI set, if any.
+    pub fn write_concern(&self) -> Option<&mongodb::options::WriteConcern> {
+        self.write_concern.as_ref()
+    }
+
+    /// The read preference the URI set, if any.
+    pub fn selection_criteria(&self) -> Option<&mongodb::options::SelectionCriteria> {
+        self.selection.as_ref()
+    }
+}
+
+async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoError> {
+    let coll = db.collection::<Document>(&collection);
+    match op {
+        Op::Find {
+            filter,
+            projection,
+            sort,
+            limit,
+            max_time,
+        } => {
+            let mut find = coll.find(filter);
+            if let Some(p) = projection {
+                find = find.projection(p);
+            }
+            if let Some(s) = sort {
+                find = find.sort(s);
+            }
+            if let Some(l) = limit {
+                find = find.limit(l);
+            }
+            if let Some(t) = max_time {
+                find = find.max_time(t);
+            }
+            let docs: Vec<Document> = find.await?.try_collect().await?;
+            Ok(Reply::Docs(docs))
+        }
+        Op::Count {
+            filter,
+            limit,
+            max_time,
+        } => {
+            let mut count = coll.count_documents(filter);
+            if let Some(l) = limit {
+                count = count.limit(l);
+            }
+            if let Some(t) = max_time {
+                count = count.max_time(t);
+            }
+            Ok(Reply::Count(count.await?))
+        }
+        Op::Distinct {
+            field,
+            filter,
+            max_time,
+        } => {
+            let mut distinct = coll.distinct(field, filter);
+            if let Some(t) = max_time {
+                distinct = distinct.max_time(t);
+            }
+            Ok(Reply::Values(distinct.await?))
+        }
+        Op::Update {
+            filter,
+            update,
+            many,
+            upsert,
+        } => {
+            let r = if many {
+                coll.update_many(filter, update).upsert(upsert).await?
+            } else {
+                coll.update_one(filter, update).upsert(upsert).await?
+            };
+            Ok(Reply::Written(Written {
+                matched: r.matched_count,
+                modified: r.modified_count,
+                upserted_id: r.upserted_id,
+                ..Written::default()
+            }))
+        }
+        Op::Replace {
+            filter,
+            replacement,
+            upsert,
+        } => {
+            let r = coll.replace_one(filter, replacement).upsert(upsert).await?;
+            Ok(Reply::Written(Written {
+                matched: r.matched_count,
+                modified: r.modified_count,
+                upserted_id: r.upserted_id,
+                ..Written::default()
+            }))
+        }
+        Op::FindOneAndUpdate {
+            filter,
+            update,
+            sort,
+            upsert,
+            return_new,
+            max_time,
+        } => {
+            let mut call = coll
+                .find_one_and_update(filter, update)
+                .upsert(upsert)
+                .return_document(if return_new {
+                    ReturnDocument::After
+                } else {
+                    ReturnDocument::Before
+                });
+            if let Some(s) = sort {
+                call = call.sort(s);
+            }
+            if let Some(t) = max_time {
+                call = call.max_time(t);
+            }
+            Ok(Reply::Doc(call.await?))
+        }
+        Op::Delete { filter, many } => {
+            let r = if many {
+                coll.delete_many(filter).await?
+            } else {
+                coll.delete_one(filter).await?
+            };
+            Ok(Reply::Written(Written {
+                deleted: r.deleted_count,
+                ..Written::default()
+            }))
+        }
+        Op::Insert { mut docs, ordered } => {
+            // One document goes as `insert_one`, so that its errors (a duplicate key) are the
+            // write errors the callers classify, not an `InsertMany` error.
+            let inserted = if docs.len() == 1 {
+                let doc = docs.pop().unwrap_or_default();
+                coll.insert_one(doc).await?;
+                1
+            } else if docs.is_empty() {
+                0
+            } else {
+                let r = coll.insert_many(docs).ordered(ordered).await?;
+                u64::try_from(r.inserted_ids.len()).unwrap_or(u64::MAX)
+            };
+            Ok(Reply::Written(Written {
+                inserted,
+                ..Written::default()
+            }))
+        }
+    }
+}
+
+impl Backend for Driver {
+    fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+        Box::pin(run(self.db.clone(), collection.to_owned(), op))
+    }
+
+    fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+        let db = self.db.clone();
+        Box::pin(async move { db.run_command(command).into_future().await })
+    }
+
+    fn watch(
+        &self,
+        collection: &str,
+        pipeline: Vec<Document>,
+    ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+        let coll = self.db.collection::<Document>(collection);
+        Box::pin(async move {
+            let stream = coll
+                .watch()
+                .pipeline(pipeline)
+                .await?
+                .with_type::<Document>();
+            Ok(stream.boxed())
+        })
+    }
+
+    fn shutdown(&self) -> BoxFuture<'static, ()> {
+        let client = self.db.client().clone();
+        Box::pin(async move {
+            // Dropped before the shutdown finished (its deadline), this clone is leaked on
+            // purpose: the last drop of a client spawns an `endSessions` task that can race
+            // the runtime's end, and the driver panics (`connection_requester.rs:42`).
+            let kept = Leaked(Some(client.clone()));
+            client.shutdown().await;
+            kept.release();
+        })
+    }
+}
+
+/// A client clone that is forgotten, never dropped, unless released.
+struct Leaked(Option<Client>);
+
+impl Leaked {
+    fn release(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for Leaked {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            std::mem::forget(client);
+        }
+    }
+}
