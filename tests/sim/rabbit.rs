@@ -23,14 +23,17 @@
 //!   ([`ReturnAttach::Lapin`]); a confirm dropped before its answer loses the return it drew;
 //! - nacks (a queue that rejects publishes), and confirms withheld (a quorum queue without
 //!   its majority: no answer until the link dies or the majority is back);
-//! - a memory alarm: the broker keeps reading a connection until it publishes, routes that
-//!   publish, then stops reading it and sends `connection.blocked`; lapin then writes nothing
-//!   more, so later publishes' written futures wait ([`BlockMode`]);
+//! - a memory alarm: the broker keeps reading a connection until it publishes; that publish's
+//!   method frame blocks it (the message is read and routed only once unblocked) and the
+//!   broker sends `connection.blocked`; lapin then writes nothing more, so later publishes'
+//!   written futures wait ([`BlockMode`]);
 //! - `frame_max` per node (lapin's `?frame_max=` in the URI lowers it); a content header frame
-//!   larger than it makes the broker close the connection (501 FRAME_ERROR); bodies are split;
+//!   larger than it by more than RabbitMQ's 8-byte fudge makes the broker close the
+//!   connection (501 FRAME_ERROR); bodies are split;
 //! - a link closed by the server (`rabbitmqctl close_connection`), a node stopped (links reset,
 //!   opens refused) or unreachable (opens hang, links silent until the dead-peer timeout), a
-//!   node stalled (reads nothing, writes fill the socket buffer);
+//!   node stalled (reads nothing, writes fill the socket buffer), a node whose replies are
+//!   held (it routes, the client hears nothing);
 //! - latency per open, per publish (written to routed) and per answer (routed to seen).
 #![allow(dead_code)]
 
@@ -48,6 +51,10 @@ use tokio::time::Instant;
 
 /// RabbitMQ's reply code for a mandatory message no queue is bound for.
 pub const NO_ROUTE: u16 = 312;
+
+/// How many bytes past `frame_max` RabbitMQ lets a frame run (`?FRAME_SIZE_FUDGE` in
+/// `rabbit_reader`; seen in `tests/conformance_rabbitmq.rs`).
+pub const FRAME_SIZE_FUDGE: usize = 8;
 
 /// The smallest `frame_max` lapin and RabbitMQ accept.
 pub const FRAME_MIN_SIZE: u32 = 4096;
@@ -113,8 +120,9 @@ pub enum ReturnAttach {
 /// When the broker blocks a connection during a memory alarm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockMode {
-    /// As RabbitMQ does: a connection is blocked when it next publishes; that publish is
-    /// read and routed, then the broker stops reading and sends `connection.blocked`.
+    /// As RabbitMQ does: a connection is blocked when it next publishes; the broker stops
+    /// reading it at that publish (routing it only once unblocked) and sends
+    /// `connection.blocked`. A connection that does not publish is not blocked.
     OnNextPublish,
     /// Every open connection is blocked (and told so) as soon as the alarm is set.
     OnAlarm,
@@ -316,6 +324,8 @@ struct Node {
     up: bool,
     down: DownMode,
     stalled: bool,
+    /// The node reads and acts on everything, but what it sends is held back.
+    holds_replies: bool,
     alarm: bool,
     config: NodeConfig,
 }
@@ -323,6 +333,11 @@ struct Node {
 #[derive(Debug, Default)]
 struct Queue {
     withhold: bool,
+    /// A quorum queue with a member on every node: it withholds confirms while fewer than
+    /// a majority of the nodes are up.
+    quorum: bool,
+    /// What it holds is forgotten rather than delivered when it can commit again.
+    lose_held: bool,
     nack: bool,
     held: Vec<(u64, u64, Message)>,
 }
@@ -339,7 +354,7 @@ enum ClientEvent {
 #[derive(Debug)]
 enum EventKind {
     /// The broker reads and routes a publish.
-    Process { tag: u64, msg: Message },
+    Process { tag: u64, msg: Box<Message> },
     /// The broker reads the client's `connection.close`.
     CloseRequest,
     /// The client sees something the broker sent.
@@ -504,6 +519,7 @@ impl RabbitModel {
                 up: true,
                 down: DownMode::Refuse,
                 stalled: false,
+                holds_replies: false,
                 alarm: false,
                 config,
             },
@@ -559,9 +575,12 @@ impl RabbitModel {
 
     pub fn node_up(&self, uri: &str) {
         let (key, _) = node_key(uri);
-        if let Some(n) = self.now().nodes.get_mut(&key) {
+        let now = Instant::now();
+        let mut s = self.now();
+        if let Some(n) = s.nodes.get_mut(&key) {
             n.up = true;
         }
+        s.release_held(now);
     }
 
     /// A node that stops reading and answering (a stalled network or process) and, when
@@ -576,6 +595,24 @@ impl RabbitModel {
         let was = n.stalled;
         n.stalled = stalled;
         if was && !stalled {
+            for id in s.links_of(&key) {
+                s.resume_link(id, now);
+            }
+        }
+    }
+
+    /// A node whose replies are held back (as the test proxy's `HoldReplies`): it reads and
+    /// routes every publish, and the client hears nothing until released.
+    pub fn hold_replies(&self, uri: &str, hold: bool) {
+        let (key, _) = node_key(uri);
+        let now = Instant::now();
+        let mut s = self.now();
+        let Some(n) = s.nodes.get_mut(&key) else {
+            return;
+        };
+        let was = n.holds_replies;
+        n.holds_replies = hold;
+        if was && !hold {
             for id in s.links_of(&key) {
                 s.resume_link(id, now);
             }
@@ -647,7 +684,8 @@ impl RabbitModel {
 
     /// A quorum queue that lost its majority: publishes to it get no answer. When the majority
     /// is back (`withhold` false), what it held is delivered and acked on links still open,
-    /// unless `lose_held`, when it is forgotten (a leader change that dropped it).
+    /// unless `lose_held` was given (when withholding or now): then it is forgotten (a leader
+    /// change that dropped it) and its confirms stay unanswered until their links die.
     pub fn set_queue_withholds(&self, name: &str, withhold: bool, lose_held: bool) {
         let now = Instant::now();
         let mut s = self.now();
@@ -655,19 +693,24 @@ impl RabbitModel {
             return;
         };
         q.withhold = withhold;
-        if withhold {
-            return;
+        q.lose_held = q.lose_held || lose_held;
+        s.release_held(now);
+        if let Some(q) = s.queues.get_mut(name)
+            && q.held.is_empty()
+            && !withhold
+        {
+            q.lose_held = false;
         }
-        let held = std::mem::take(&mut q.held);
-        if lose_held {
-            return;
-        }
-        for (link, tag, msg) in held {
-            s.deliver(now, link, name, &msg);
-            if s.links.get(&link).is_some_and(|l| !l.server_gone) {
-                s.schedule_ack(link, now, tag, false);
-            }
-        }
+    }
+
+    /// Declares a quorum queue (idempotent): it withholds confirms while a majority of the
+    /// nodes is down, and delivers and acks what it held once the majority is back.
+    pub fn declare_quorum_queue(&self, name: &str) {
+        self.now()
+            .queues
+            .entry(name.to_string())
+            .or_default()
+            .quorum = true;
     }
 
     /// The broker closes connections named `name` (as `rabbitmqctl close_connection` does):
@@ -858,6 +901,40 @@ impl State {
         self.wake.send_modify(|g| *g = g.wrapping_add(1));
     }
 
+    /// Whether more than half of the nodes are up.
+    fn majority(&self) -> bool {
+        let up = self.nodes.values().filter(|n| n.up).count();
+        up * 2 > self.nodes.len()
+    }
+
+    /// Queues that can commit again deliver what they held, and ack it on links still open.
+    fn release_held(&mut self, now: Instant) {
+        let majority = self.majority();
+        let names: Vec<String> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| !q.held.is_empty() && !q.withhold && (majority || !q.quorum))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            let held = match self.queues.get_mut(&name) {
+                Some(q) if q.lose_held => {
+                    q.lose_held = false;
+                    q.held.clear();
+                    Vec::new()
+                }
+                Some(q) => std::mem::take(&mut q.held),
+                None => Vec::new(),
+            };
+            for (link, tag, msg) in held {
+                self.deliver(now, link, &name, &msg);
+                if self.links.get(&link).is_some_and(|l| !l.server_gone) {
+                    self.schedule_ack(link, now, tag, false);
+                }
+            }
+        }
+    }
+
     fn alarmed(&self) -> bool {
         self.nodes.values().any(|n| n.alarm)
     }
@@ -892,6 +969,10 @@ impl State {
             return;
         };
         let stalled = self.nodes.get(&link.node).is_some_and(|n| n.stalled);
+        let replies_held = self
+            .nodes
+            .get(&link.node)
+            .is_some_and(|n| n.stalled || n.holds_replies);
         match event.kind {
             EventKind::Process { tag, msg } => {
                 if link.server_gone {
@@ -901,8 +982,19 @@ impl State {
                     link.deferred.push_back(EventKind::Process { tag, msg });
                     return;
                 }
+                if link.server_blocking {
+                    // As rabbit_reader does: the publish method frame blocks the connection
+                    // (`maybe_block`); the rest of that message is read only once unblocked.
+                    link.server_blocked = true;
+                    let tell = !link.client_blocked;
+                    link.deferred.push_back(EventKind::Process { tag, msg });
+                    if tell {
+                        self.schedule_client(id, at, ClientEvent::Blocked);
+                    }
+                    return;
+                }
                 link.unread = link.unread.saturating_sub(msg.size());
-                self.process(id, at, tag, msg);
+                self.process(id, at, tag, *msg);
                 self.flush_writes(id, at);
             }
             EventKind::CloseRequest => {
@@ -924,7 +1016,7 @@ impl State {
                 if link.closed.is_some() {
                     return;
                 }
-                if stalled && !matches!(ev, ClientEvent::Closed(_)) {
+                if replies_held && !matches!(ev, ClientEvent::Closed(_)) {
                     link.client_deferred.push_back(ev);
                     return;
                 }
@@ -940,12 +1032,7 @@ impl State {
         let Some(link) = self.links.get(&id) else {
             return;
         };
-        let (conn, node, frame_max, blocking) = (
-            link.name.clone(),
-            link.node.clone(),
-            link.frame_max,
-            link.server_blocking,
-        );
+        let (conn, node, frame_max) = (link.name.clone(), link.node.clone(), link.frame_max);
         let message_id = msg.properties.message_id().as_ref().map(|s| s.to_string());
         let log = |s: &mut State, fate: Fate| {
             s.processed.push(Processed {
@@ -957,23 +1044,27 @@ impl State {
                 fate,
             });
         };
-        if msg.header_len > frame_max as usize {
+        // RabbitMQ refuses a frame whose payload exceeds `frame_max - 8`, with a fudge of 8
+        // bytes for old clients: a whole frame of up to `frame_max + 8` bytes goes.
+        let limit = (frame_max as usize).saturating_add(FRAME_SIZE_FUDGE);
+        if msg.header_len > limit {
             log(self, Fate::FrameError);
             self.server_close(
                 id,
                 at,
                 format!(
-                    "connection closed by the server: 501 FRAME_ERROR - type 2, all octets = <<>>: {{frame_too_large,{},{}}}",
+                    "protocol error: AMQP hard error: FRAME-ERROR: FRAME_ERROR - type 2, all octets = <<>>: {{frame_too_large,{},{}}}",
                     msg.header_len.saturating_sub(8),
                     frame_max.saturating_sub(8)
                 ),
             );
             return;
         }
+        let majority = self.majority();
         let nack_rate = self.behaviour.nack_rate;
         let random_nack = self.rng.chance(nack_rate);
         match self.queues.get_mut(&msg.routing_key) {
-            Some(q) if q.withhold => {
+            Some(q) if q.withhold || (q.quorum && !majority) => {
                 q.held.push((id, tag, msg.clone()));
                 log(self, Fate::Withheld);
             }
@@ -999,12 +1090,6 @@ impl State {
             None => {
                 log(self, Fate::Dropped);
                 self.schedule_ack(id, at, tag, false);
-            }
-        }
-        if blocking && let Some(link) = self.links.get_mut(&id) {
-            link.server_blocked = true;
-            if !link.client_blocked {
-                self.schedule_client(id, at, ClientEvent::Blocked);
             }
         }
     }
@@ -1186,7 +1271,10 @@ impl State {
             key,
             Event {
                 link: id,
-                kind: EventKind::Process { tag, msg },
+                kind: EventKind::Process {
+                    tag,
+                    msg: Box::new(msg),
+                },
             },
         );
     }
@@ -1236,8 +1324,38 @@ impl State {
             let key = self.next_key(when);
             self.insert(key, Event { link: id, kind });
         }
+        if client.is_empty() {
+            return;
+        }
+        // What was held goes first, then what the broker sent since, each no earlier than it
+        // was due.
+        let later: Vec<Key> = self
+            .agenda
+            .iter()
+            .filter(|(_, e)| e.link == id && matches!(e.kind, EventKind::Client(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        let open_ack = self.links.get(&id).and_then(|l| l.open_ack);
+        let later: Vec<(Key, Event)> = later
+            .into_iter()
+            .filter_map(|k| self.agenda.remove(&k).map(|e| (k, e)))
+            .collect();
+        if let Some(l) = self.links.get_mut(&id) {
+            l.last_arrival = now;
+            l.open_ack = None;
+        }
         for ev in client {
             self.schedule_client_at(id, now, ev);
+        }
+        for (key, event) in later {
+            if let EventKind::Client(ev) = event.kind {
+                let new = self.schedule_client_at(id, key.0, ev);
+                if open_ack == Some(key)
+                    && let Some(l) = self.links.get_mut(&id)
+                {
+                    l.open_ack = new;
+                }
+            }
         }
     }
 }
