@@ -44,6 +44,8 @@ fn civil(days: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
+// The build date is this host's clock by design (SOURCE_DATE_EPOCH overrides it).
+#[allow(clippy::disallowed_methods)]
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=TIMEOUTD_GIT_REVISION");

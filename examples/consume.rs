@@ -2,6 +2,7 @@
 //! Used by `scripts/demo.sh`; handy for watching a destination queue by hand.
 //!
 //! `cargo run --example consume -- QUEUE [AMQP_URI]`
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};

@@ -139,7 +139,7 @@ pub fn wall_date() -> bson::DateTime {
 pub fn uuid() -> Uuid {
     match current() {
         Some(host) => host.with_rng(|r| uuid::Builder::from_random_bytes(r.random()).into_uuid()),
-        None => Uuid::new_v4(),
+        None => crate::host::uuid(),
     }
 }
 

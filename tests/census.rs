@@ -1,6 +1,7 @@
 //! The census of records nothing fires on its own, against the real test MongoDB and
 //! RabbitMQ: stuck `Locked: true` records without a lease (left by public ServiceConnect's
 //! poller) and records whose `Time` no branch of the due query matches.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

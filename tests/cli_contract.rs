@@ -3,6 +3,7 @@
 //! or delete records take `--dry-run` and `--reason` and write the audit; `health` reports on
 //! stderr; completions and the man page come from the same definition. What the CLI takes
 //! from its environment is in tests/cli_environment.rs.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

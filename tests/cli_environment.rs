@@ -2,6 +2,7 @@
 //! `--config`; an ignored `TIMEOUTD_*` variable and an invalid `RUST_LOG` are warned about;
 //! `check-config` names the file it read, and `--connect` reaches both servers (or exits 1,
 //! saying so once).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

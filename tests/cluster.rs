@@ -6,6 +6,7 @@
 //! (`connection.blocked`). Each asserts that every record is delivered and that duplicates
 //! are no more than timeoutd counted (`timeoutd_lease_lost_total`). Lateness is printed for
 //! the fault table in docs/guarantees.md (no timing is asserted).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

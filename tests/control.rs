@@ -1,6 +1,7 @@
 //! Operators in control (issue 14, items 1 and 3): `list` and `reschedule`, run as the
 //! binary against the test MongoDB, beside three running instances under load where it
 //! matters, with deliveries counted on the real RabbitMQ; bad input exits 2.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The daemon end to end against the real RabbitMQ and the real test MongoDB: records are
 //! inserted as raw ServiceConnect v7 BSON and the messages are read back with lapin.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

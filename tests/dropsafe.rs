@@ -3,6 +3,7 @@
 //! take must leave nothing behind that stops or delays later claims, and a record rescheduled
 //! between a claim's read and its take is never taken at its old `Time`. Real test MongoDB;
 //! failpoints delay the server's answers.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 #![cfg(feature = "failpoints")]
 
 mod common;

@@ -7,6 +7,7 @@
 //!
 //! Faults hit one instance through its own proxies ([`Proxy`]); the others talk to the
 //! services directly. Each test prints one `FAULTS` line with its numbers (`--nocapture`).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

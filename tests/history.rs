@@ -1,6 +1,7 @@
 //! `[history] keep`: what fired, was parked or was cancelled, in `<collection>_history`, and
 //! `timeoutd history`; the log lines that name each record; the real binary against the real
 //! services.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Hostile records: structure-aware generated `Timeouts` documents through the record path
 //! (no services), and the real daemon among them (real MongoDB-compatible server and RabbitMQ):
 //! no stored document may stop dispatch.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

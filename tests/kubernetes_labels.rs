@@ -2,6 +2,7 @@
 //! `app.kubernetes.io/*` labels, and every selector picks one fleet's dispatchers by the
 //! labels that do not change on an upgrade (name, instance, component), never by version, so
 //! that neither another fleet's pods nor a one-shot CLI Job is selected.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

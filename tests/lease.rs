@@ -1,5 +1,6 @@
 //! The lease protocol against the real test MongoDB, through the store: claims, the owner and
 //! live-lease guard on every later write, and the reaper.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

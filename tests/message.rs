@@ -1,5 +1,6 @@
 //! The wire format and AMQP's limits: the `TimeoutMessage` as ServiceConnect v7 sends it,
 //! .NET's date format over the whole range it can hold, and records no message can carry.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use std::time::{Duration, SystemTime};
 

@@ -1,6 +1,7 @@
 //! `/metrics` as Prometheus judges it: `promtool check metrics` on live scrapes of a real
 //! daemon finds nothing, every counter and known label value is there at zero before its
 //! first event, and every series the code records has HELP text and a row in docs/operations.md.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

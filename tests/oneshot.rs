@@ -2,6 +2,7 @@
 //! and nothing else on stderr. `schedule` used to print a panic backtrace from the MongoDB
 //! driver's client drop at exit (`connection_requester.rs:42`, about 1 run in 100 here, 1 in
 //! 20 on the reporter's machine), with exit code 0; so each command runs many times.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

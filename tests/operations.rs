@@ -1,5 +1,6 @@
 //! Operating the daemon: `/metrics` counters equal what really happened, health endpoints,
 //! draining on SIGTERM. Each test runs the binary, so its metrics are its own.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! (the file format, read the way the recipe in docs/deployment.md reads it, reaches the fleet's MongoDB
 //! and not the defaults), and in Kubernetes (the one-shot Job example reads the fleet's own
 //! ConfigMap and Secret; the ConfigMap holds every key of config/timeoutd.toml, and no other).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

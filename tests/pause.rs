@@ -1,6 +1,7 @@
 //! Operators in control (issue 14, items 4 to 6): pausing a destination fleet-wide, resuming
 //! it (by hand, at `--until`, with a ramp), and send-rate limits, against running instances
 //! on the real RabbitMQ and the test MongoDB.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

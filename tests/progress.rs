@@ -3,6 +3,7 @@
 //! leaves paused destinations out of the due backlog and counts them apart, and a daemon
 //! whose claims take nothing while due records wait turns `/readyz` 503 until they take
 //! again.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

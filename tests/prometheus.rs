@@ -4,6 +4,7 @@
 //! received, every PromQL expression of the dashboard and of the alerting rules parses, every
 //! dashboard query returns data, and an unroutable destination (records retried, then parked)
 //! makes `TimeoutdRecordsParked` fire from the shipped rules (with `for:` shortened).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! No credential in any output: each secret a MongoDB or AMQP URI can carry, inline or read
 //! from a `*_FILE`, is absent from `check-config`, from the errors and trace-level logs of the
 //! one-shot commands, and from a running daemon's logs and endpoints.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

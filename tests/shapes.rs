@@ -3,6 +3,7 @@
 //! order), `Time` as a date and as `[clock ticks, offsetMinutes]` from -12 h to +14 h,
 //! `{_t, _v}` header values, stuck `Locked: true` records without a lease. Real RabbitMQ,
 //! the real test MongoDB, several instances.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

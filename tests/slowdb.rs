@@ -2,6 +2,7 @@
 //! step, the exit after SIGTERM meets `shutdown_timeout` + 5 s, and the calls timeoutd may have
 //! running on a server that answers nothing stay bounded. Real binary (with failpoints), real
 //! RabbitMQ, real test MongoDB (behind a proxy where the test needs one).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 #![cfg(feature = "failpoints")]
 
 mod common;

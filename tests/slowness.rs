@@ -13,6 +13,7 @@
 //! Short deadlines (`operation_timeout`, `publish_timeout`, `connect_timeout` 2 s) and short
 //! faults keep the file to a few minutes. Each test prints one `FAULTS` line
 //! (`scripts/fault-table.sh`).
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! A broker that stalls: records whose publish failed are released as soon as the wave's
 //! outcome is known (not when the loop next goes idle), and a broker that stops reading
 //! cannot hold up SIGTERM. Real binary, real RabbitMQ behind a proxy, real test MongoDB.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

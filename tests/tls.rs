@@ -2,6 +2,7 @@
 //! second broker node started by `scripts/start-tls-rabbitmq.sh` with a self-signed CA, or the
 //! one named by `TIMEOUTD_TEST_TLS_DIR` (ca.pem, client.pem, client.key) and
 //! `TIMEOUTD_TEST_AMQPS_URI`.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 

@@ -61,6 +61,7 @@
 //!   1s and `dispatch.batch_size` to 500 unless set).
 //!
 //! Run by `cargo test --all-targets` (without `--bench`) it only prints how to run it.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod claims;
 mod consumer;

@@ -187,16 +187,15 @@ impl ClaimSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use uuid::Uuid;
 
     fn ready(due_ms: i64) -> Ready {
         Ready {
             id: Bson::Int64(due_ms),
             raw: Document::new(),
             record: TimeoutRecord {
-                id: Uuid::new_v4(),
+                id: crate::host::uuid(),
                 destination: "q".into(),
-                process_manager_id: Uuid::new_v4(),
+                process_manager_id: crate::host::uuid(),
                 due: DateTime::from_millis(due_ms),
                 headers: Document::new(),
             },

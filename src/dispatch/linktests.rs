@@ -14,9 +14,7 @@ use crate::service::health::Health;
 use crate::store::Store;
 use crate::store::clock::ServerClock;
 
-async fn over_fake_broker(
-    broker: Arc<FakeBroker>,
-) -> (Dispatcher, Arc<Health>, CancellationToken) {
+async fn over_fake_broker(broker: Arc<FakeBroker>) -> (Dispatcher, Arc<Health>, CancellationToken) {
     let config = Config::default();
     let store = Store::connect(&config.mongodb, ServerClock::default())
         .await

@@ -288,8 +288,8 @@ impl Dispatcher {
             _ = self.shutdown.cancelled(), if !stopping => Event::Shutdown,
             Some(done) = self.tasks.join_next() => Event::Finished(done),
             _ = self.wake.notified(), if !stopping => Event::WokenUp,
-            _ = tokio::time::sleep_until(due_at.unwrap_or(now).into()), if due_at.is_some() => Event::Due,
-            _ = tokio::time::sleep_until(tick.into()) => Event::Tick,
+            _ = tokio::time::sleep_until(due_at.unwrap_or(now)), if due_at.is_some() => Event::Due,
+            _ = tokio::time::sleep_until(tick) => Event::Tick,
         }
     }
 

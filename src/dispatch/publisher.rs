@@ -260,7 +260,10 @@ impl Publisher {
     /// A publisher for `[rabbitmq]` through lapin; reads the TLS files now and connects on
     /// [`Publisher::connect`].
     pub fn new(config: &RabbitConfig) -> Result<Self, PublishError> {
-        Ok(Self::with_broker(config, Arc::new(LapinBroker::new(config)?)))
+        Ok(Self::with_broker(
+            config,
+            Arc::new(LapinBroker::new(config)?),
+        ))
     }
 
     /// A publisher for `[rabbitmq]` whose links `broker` opens.
@@ -494,7 +497,9 @@ impl Publisher {
         let withheld =
             given_up || broken.is_some() || outcomes.iter().any(SendOutcome::outcome_unknown);
         if status.connected && status.blocked && withheld {
-            tracing::warn!("RabbitMQ blocks a link that withheld confirms; keeping it only to follow the block");
+            tracing::warn!(
+                "RabbitMQ blocks a link that withheld confirms; keeping it only to follow the block"
+            );
             self.tainted = true;
         } else if (!status.connected || withheld)
             && let Some(link) = self.link.take()
@@ -606,7 +611,11 @@ pub(crate) mod tests {
                 futures::future::ready(confirm.ok_or_else(|| LinkError("not scripted".into())))
                     .boxed()
             }
-            fn close(&self, _code: u16, _reason: &str) -> BoxFuture<'static, Result<(), LinkError>> {
+            fn close(
+                &self,
+                _code: u16,
+                _reason: &str,
+            ) -> BoxFuture<'static, Result<(), LinkError>> {
                 futures::future::ready(Ok(())).boxed()
             }
         }
@@ -832,10 +841,18 @@ pub(crate) mod tests {
             status.set_blocked(false);
             assert!(!p.is_connected(), "lost once the block lifts");
             p.connect().await.expect("the second link opens");
-            assert_eq!(broker.opened(), 2, "the link that withheld confirms was replaced");
+            assert_eq!(
+                broker.opened(),
+                2,
+                "the link that withheld confirms was replaced"
+            );
             second.set_blocked(false);
             let outcomes = p
-                .publish_batch(&[message("B")], &CancellationToken::new(), &CancellationToken::new())
+                .publish_batch(
+                    &[message("B")],
+                    &CancellationToken::new(),
+                    &CancellationToken::new(),
+                )
                 .await;
             assert_eq!(outcomes, [SendOutcome::Confirmed]);
         });
@@ -855,7 +872,11 @@ pub(crate) mod tests {
             p.publish_batch(&[message("A")], &stop, &CancellationToken::new())
                 .await;
             let outcomes = p
-                .publish_batch(&[message("B")], &CancellationToken::new(), &CancellationToken::new())
+                .publish_batch(
+                    &[message("B")],
+                    &CancellationToken::new(),
+                    &CancellationToken::new(),
+                )
                 .await;
             assert_eq!(
                 outcomes,

@@ -356,9 +356,9 @@ mod tests {
             id: bson::Bson::Int32(1),
             raw: doc! {},
             record: TimeoutRecord {
-                id: uuid::Uuid::new_v4(),
+                id: crate::host::uuid(),
                 destination: "timeoutd-test-frame-max".into(),
-                process_manager_id: uuid::Uuid::new_v4(),
+                process_manager_id: crate::host::uuid(),
                 due: now,
                 headers: doc! { "Big": "x".repeat(20_000) },
             },

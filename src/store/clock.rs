@@ -47,9 +47,9 @@ impl ServerClock {
     /// This host's wall clock in Unix milliseconds (with any injected skew).
     pub fn local_ms(&self) -> i64 {
         crate::host::wall_ms().saturating_add(
-                self.local_skew_ms
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            )
+            self.local_skew_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     fn last(&self) -> Option<Reading> {
@@ -97,13 +97,10 @@ impl ServerClock {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    use std::time::Duration;
 
     fn truth_ms() -> i64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as i64
+        crate::host::wall_ms()
     }
 
     #[test]

@@ -341,7 +341,7 @@ pub async fn build(store: Store, shutdown: CancellationToken) {
         let next = listing.next_at().max(Instant::now() + CHECK_EVERY);
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep_until(next.into()) => {}
+            _ = tokio::time::sleep_until(next) => {}
         }
     }
 }

@@ -320,7 +320,7 @@ mod tests {
 
     #[test]
     fn fresh_owner_per_lease() {
-        let now = DateTime::now();
+        let now = crate::host::wall_date();
         assert_ne!(
             Lease::new(now, Duration::from_secs(1)).owner,
             Lease::new(now, Duration::from_secs(1)).owner
@@ -342,9 +342,9 @@ mod tests {
 
     #[test]
     fn the_owner_guard_matches_either_representation() {
-        let lease = Lease::new(DateTime::now(), Duration::from_secs(10));
+        let lease = Lease::new(crate::host::wall_date(), Duration::from_secs(10));
         let written = leased_fields(&lease, UuidRepresentation::CsharpLegacy);
-        let guard = held(lease.owner, DateTime::now());
+        let guard = held(lease.owner, crate::host::wall_date());
         let accepted = guard
             .get_document(field::LOCKED_BY)
             .unwrap()
@@ -357,7 +357,7 @@ mod tests {
 
     #[test]
     fn a_freed_copy_keeps_the_representation_of_its_id() {
-        let legacy_id = guid::to_bson(Uuid::new_v4(), UuidRepresentation::CsharpLegacy);
+        let legacy_id = guid::to_bson(crate::host::uuid(), UuidRepresentation::CsharpLegacy);
         let freed = as_free(doc! { "_id": legacy_id, "Locked": true });
         assert_eq!(
             freed.get(field::LOCKED_BY),

@@ -292,7 +292,12 @@ impl Store {
     /// the sample with the shortest round trip of three, so that a first call that also opens
     /// the connection does not skew it. Also the cheapest check that the server answers.
     pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
-        let mut best: Option<(Duration, DateTime, tokio::time::Instant, tokio::time::Instant)> = None;
+        let mut best: Option<(
+            Duration,
+            DateTime,
+            tokio::time::Instant,
+            tokio::time::Instant,
+        )> = None;
         for _ in 0..3 {
             let sent = tokio::time::Instant::now();
             let reply = self.run_command(self.command(doc! { "hello": 1 })).await?;
