@@ -58,10 +58,12 @@ fn args() -> Args {
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let num = |it: &mut dyn Iterator<Item = String>| {
-            it.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| {
-                eprintln!("simulate: {arg} needs a number");
-                std::process::exit(2)
-            })
+            it.next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or_else(|| {
+                    eprintln!("simulate: {arg} needs a number");
+                    std::process::exit(2)
+                })
         };
         match arg.as_str() {
             "--seeds" => a.seeds = num(&mut it),
@@ -89,7 +91,10 @@ fn report(label: &str, s: &Scenario, o: &Outcome, full: bool) {
     println!("FAILED {label}");
     println!("  invariant: {} at {} ms", v.invariant, v.at_ms);
     println!("  detail: {}", v.detail);
-    println!("  knobs: {}", serde_json::to_string(&s.knobs).unwrap_or_default());
+    println!(
+        "  knobs: {}",
+        serde_json::to_string(&s.knobs).unwrap_or_default()
+    );
     println!(
         "  instances: {}, records: {}, faults: {}, faults end at {} ms",
         s.instances.len(),
@@ -151,13 +156,29 @@ fn main() {
             eprintln!("simulate: {} is not a scenario: {e}", path.display());
             std::process::exit(2)
         });
-        let o = run(&s, RunOptions { keep_trace: true, ..opts.clone() });
+        let o = run(
+            &s,
+            RunOptions {
+                keep_trace: true,
+                ..opts.clone()
+            },
+        );
         report(&path.display().to_string(), &s, &o, true);
-        finish(u64::from(o.violation.is_none()), u64::from(o.violation.is_some()), started);
+        finish(
+            u64::from(o.violation.is_none()),
+            u64::from(o.violation.is_some()),
+            started,
+        );
     }
     if let Some(seed) = a.seed {
         let s = Scenario::draw(seed);
-        let o = run(&s, RunOptions { keep_trace: true, ..opts.clone() });
+        let o = run(
+            &s,
+            RunOptions {
+                keep_trace: true,
+                ..opts.clone()
+            },
+        );
         if o.violation.is_none() && !a.quiet {
             for l in o.all.iter().flatten() {
                 println!("    {l}");
@@ -168,7 +189,11 @@ fn main() {
             "seed {seed}: trace hash {:016x}, {} events, {} virtual ms, {:?}",
             o.trace_hash, o.events, o.virtual_ms, o.stats
         );
-        finish(u64::from(o.violation.is_none()), u64::from(o.violation.is_some()), started);
+        finish(
+            u64::from(o.violation.is_none()),
+            u64::from(o.violation.is_some()),
+            started,
+        );
     }
 
     // The regression scenarios.
@@ -227,9 +252,12 @@ fn main() {
         }
         if ok {
             passed += 1;
-            if !a.quiet && ran % 50 == 0 {
+            if !a.quiet && ran.is_multiple_of(50) {
                 let secs = seeds_started.elapsed().as_secs_f64();
-                println!("simulate: {ran} seeds in {secs:.1} s ({:.2} seeds/s)", ran as f64 / secs);
+                println!(
+                    "simulate: {ran} seeds in {secs:.1} s ({:.2} seeds/s)",
+                    ran as f64 / secs
+                );
             }
             continue;
         }

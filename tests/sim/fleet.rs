@@ -68,7 +68,13 @@ impl World {
     }
 
     /// After a model answered a call: check the call, then the collections.
-    fn after_call(&self, instance: usize, collection: &str, op: &Op, reply: &Result<Reply, MongoError>) {
+    fn after_call(
+        &self,
+        instance: usize,
+        collection: &str,
+        op: &Op,
+        reply: &Result<Reply, MongoError>,
+    ) {
         let at = self.now_ms();
         let summary = match reply {
             Ok(Reply::Docs(d)) => format!("{} docs", d.len()),
@@ -114,14 +120,21 @@ impl World {
         let headers = props.headers().as_ref()?;
         let corr = headers.inner().get("CorrelationId")?;
         let text = match corr {
-            lapin::types::AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            lapin::types::AMQPValue::LongString(s) => {
+                String::from_utf8_lossy(s.as_bytes()).into_owned()
+            }
             lapin::types::AMQPValue::ShortString(s) => s.as_str().to_string(),
             _ => return None,
         };
         c.record_of(&text)
     }
 
-    fn published(&self, instance: usize, routing_key: &str, props: &BasicProperties) -> Option<String> {
+    fn published(
+        &self,
+        instance: usize,
+        routing_key: &str,
+        props: &BasicProperties,
+    ) -> Option<String> {
         let at = self.now_ms();
         let record = self.record_of(props);
         self.trace.event(
@@ -142,7 +155,13 @@ impl World {
         Some(record)
     }
 
-    fn confirmed(&self, instance: usize, routing_key: &str, record: Option<&str>, answer: &Result<Answer, LinkError>) {
+    fn confirmed(
+        &self,
+        instance: usize,
+        routing_key: &str,
+        record: Option<&str>,
+        answer: &Result<Answer, LinkError>,
+    ) {
         let at = self.now_ms();
         let routed = matches!(answer, Ok(Answer::Ack(_))) && self.bound.contains(routing_key);
         self.trace.event(
@@ -246,7 +265,9 @@ impl Backend for Wire {
     fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
         let server = self.inner.run(collection, op.clone());
         let (world, instance, coll) = (self.world.clone(), self.instance, collection.to_string());
-        self.call(op.name(), server, move |r| world.after_call(instance, &coll, &op, r))
+        self.call(op.name(), server, move |r| {
+            world.after_call(instance, &coll, &op, r)
+        })
     }
 
     fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
@@ -530,7 +551,8 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
                 }
             }
         };
-        let (message_key, due_known) = match timeoutd::record::TimeoutRecord::decode(&doc, decoding) {
+        let (message_key, due_known) = match timeoutd::record::TimeoutRecord::decode(&doc, decoding)
+        {
             Ok(rec) => (
                 Some(if stable {
                     rec.id.hyphenated().to_string()
@@ -661,7 +683,11 @@ async fn run_in(
                 Ok(p) => timeoutd::cli::daemon::run_tasks(config, store, p, health, token).await,
                 Err(e) => Err(e.into()),
             };
-            trace.event(world2.now_ms(), &format!("i{i}"), format!("stopped: {result:?}"));
+            trace.event(
+                world2.now_ms(),
+                &format!("i{i}"),
+                format!("stopped: {result:?}"),
+            );
         }));
         Instance {
             ctl,
@@ -706,7 +732,11 @@ async fn run_in(
                 let id = doc.get("_id").cloned().unwrap_or(Bson::Null);
                 models::insert(&world.mongo, &timeouts, doc);
                 world.checker().inserted(&id);
-                trace.event(now, "sim", format!("insert {}", super::invariants::key(&id)));
+                trace.event(
+                    now,
+                    "sim",
+                    format!("insert {}", super::invariants::key(&id)),
+                );
             }
             Step::Start(i) => {
                 let skew = s.instances.get(i).map_or(0, |x| x.skew_ms);

@@ -161,7 +161,10 @@ impl Checker {
 
     /// `instance` is paused from `from_ms` to `until_ms` (virtual).
     pub fn paused(&mut self, instance: usize, from_ms: u64, until_ms: u64) {
-        self.pauses.entry(instance).or_default().push((from_ms, until_ms));
+        self.pauses
+            .entry(instance)
+            .or_default()
+            .push((from_ms, until_ms));
     }
 
     /// Whether `instance` was paused within the last lease before `at_ms`: a pause between
@@ -223,10 +226,11 @@ impl Checker {
                         format!("instance {instance} writes {operator} {name} on a record"),
                     );
                 }
-                if operator == "$set" && name == "LockedBy" {
-                    if let Some(owner) = uuid_text(value) {
-                        self.owners.entry(owner).or_insert(instance);
-                    }
+                if operator == "$set"
+                    && name == "LockedBy"
+                    && let Some(owner) = uuid_text(value)
+                {
+                    self.owners.entry(owner).or_insert(instance);
                 }
             }
         }
@@ -323,7 +327,9 @@ impl Checker {
         for k in gone {
             let delivered = self.delivered.get(&k).is_some_and(|v| !v.is_empty());
             if !delivered && !parked.contains(&k) {
-                let d = format!("record {k} left Timeouts with no confirmed, routed publish and no parked copy");
+                let d = format!(
+                    "record {k} left Timeouts with no confirmed, routed publish and no parked copy"
+                );
                 self.fail(at_ms, "left-unsent", d);
             }
         }
@@ -425,7 +431,11 @@ impl Checker {
             }
         }
         if !failures.is_empty() {
-            let d = format!("{} record(s) not done: {}", failures.len(), failures.join("; "));
+            let d = format!(
+                "{} record(s) not done: {}",
+                failures.len(),
+                failures.join("; ")
+            );
             self.fail(at_ms, "not-done", d);
         }
         // Duplicates: deliveries after the first, except after a killed instance's delivery.
@@ -445,7 +455,8 @@ impl Checker {
             }
         }
         self.stats.insert("duplicates", total);
-        self.stats.insert("counted-duplicates", counted_duplicates as u64);
+        self.stats
+            .insert("counted-duplicates", counted_duplicates as u64);
         if (uncounted as f64) > counted_duplicates {
             let d = format!(
                 "{uncounted} duplicate deliveries not after a killed instance's, {counted_duplicates} counted"

@@ -129,7 +129,13 @@ pub mod models {
     pub fn deliveries(r: &Rabbit) -> Vec<(Option<String>, Option<String>, String)> {
         r.deliveries()
             .into_iter()
-            .map(|d| (d.message_id(), d.header_str("CorrelationId"), d.connection.clone()))
+            .map(|d| {
+                (
+                    d.message_id(),
+                    d.header_str("CorrelationId"),
+                    d.connection.clone(),
+                )
+            })
             .collect()
     }
 

@@ -11,7 +11,7 @@ pub struct Draw(u64);
 
 impl Draw {
     pub fn new(seed: u64) -> Self {
-        Self(seed ^ 0x5EED_0F_7133_0C7D)
+        Self(seed ^ 0x005E_ED0F_7133_0C7D)
     }
 
     pub fn next(&mut self) -> u64 {
@@ -319,7 +319,12 @@ impl Scenario {
                 _ => FaultKind::RabbitModel {
                     name: d
                         .pick(&[
-                            "node_down", "node_hang", "stall_node", "alarm", "withhold", "nack",
+                            "node_down",
+                            "node_hang",
+                            "stall_node",
+                            "alarm",
+                            "withhold",
+                            "nack",
                             "close",
                         ])
                         .to_string(),
@@ -375,14 +380,7 @@ impl Scenario {
             .unwrap_or(0)
             .saturating_sub(self.faults_end_ms);
         let calls = 10 * (k.op_timeout_ms + k.publish_timeout_ms + k.connect_timeout_ms);
-        latest_due
-            + 2 * k.lease_ms
-            + reaper
-            + retries
-            + rate_ms
-            + 10 * k.poll_ms
-            + calls
-            + 30_000
+        latest_due + 2 * k.lease_ms + reaper + retries + rate_ms + 10 * k.poll_ms + calls + 30_000
     }
 }
 
