@@ -72,8 +72,6 @@ pub async fn run_with(
         store = Store::connect(&config.mongodb, clock) => store?.with_settings(&config),
     };
     let publisher = Publisher::new(&config.rabbitmq)?;
-    // Kept to close the client at the end, within a deadline, before the runtime goes.
-    let client = store.clone();
     // Installed before anything records a metric.
     let _ = http::prometheus();
     let health = Arc::new(
@@ -88,6 +86,14 @@ pub async fn run_with(
                 source,
             })?;
     let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
+    {
+        // systemd hears of the drain (STOPPING=1) as soon as shutdown begins.
+        let shutdown = shutdown.clone();
+        crate::host::spawn(async move {
+            shutdown.cancelled().await;
+            systemd::stopping().await;
+        });
+    }
     let http_stop = CancellationToken::new();
     tasks.spawn_lasting(
         "http",
@@ -115,6 +121,47 @@ pub async fn run_with(
         "timeoutd starting"
     );
 
+    let result = run_tasks_under(config, store, publisher, health, shutdown, tasks, |tasks| {
+        http_stop.cancel();
+        tasks
+    })
+    .await;
+    result?;
+    tracing::info!("timeoutd stopped");
+    Ok(())
+}
+
+/// Runs the daemon's tasks (dispatch, reaper, monitor, control watcher, wake-ups, history
+/// writer, indexes) on a given store and publisher until `shutdown` is cancelled and they
+/// have drained: what `timeoutd run` does after it bound its HTTP endpoints, without HTTP,
+/// signals or systemd. The simulation starts each of its instances with this, on models of
+/// MongoDB and RabbitMQ. Closes the store's client at the end. Fails when start-up fails or
+/// an essential task stops outside shutdown (see [`crate::service::supervisor`]).
+pub async fn run_tasks(
+    config: Arc<Config>,
+    store: Store,
+    publisher: Publisher,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) -> Result<(), DaemonError> {
+    let tasks = Supervisor::new(shutdown.clone(), health.clone());
+    run_tasks_under(config, store, publisher, health, shutdown, tasks, |t| t).await
+}
+
+/// [`run_tasks`] under a supervisor that may already hold tasks (`timeoutd run`'s HTTP
+/// endpoints); `before_finish` runs once the essential tasks ended (the HTTP endpoints are
+/// told to stop there).
+async fn run_tasks_under(
+    config: Arc<Config>,
+    store: Store,
+    publisher: Publisher,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    mut tasks: Supervisor,
+    before_finish: impl FnOnce(Supervisor) -> Supervisor,
+) -> Result<(), DaemonError> {
+    // Kept to close the client at the end, within a deadline, before the runtime goes.
+    let client = store.clone();
     // Every step of start-up yields to shutdown: a SIGTERM while a call waits for its
     // deadline ends start-up at once (what it spawned sees the same token).
     let starting = async {
@@ -151,7 +198,7 @@ pub async fn run_with(
         tokio::time::sleep(Duration::from_millis(ms)).await;
         deadline += Duration::from_millis(ms);
     }
-    http_stop.cancel();
+    let tasks = before_finish(tasks);
     tasks.finish(deadline).await;
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
     if !client.close(left).await {
@@ -159,7 +206,6 @@ pub async fn run_with(
     }
     started?;
     supervised?;
-    tracing::info!("timeoutd stopped");
     Ok(())
 }
 
@@ -286,7 +332,6 @@ async fn start(
     crate::host::spawn(async move {
         shutdown.cancelled().await;
         health.start_draining();
-        systemd::stopping().await;
         tracing::info!("shutting down: no new claims; finishing or releasing what is held");
     });
     Ok(())

@@ -1,0 +1,478 @@
+//! The invariants, checked on every step: after each call a model answered, at each publish
+//! the broker model received and at each confirm, from what the wires between the instances
+//! and the models saw and from the models' own state (their documents and the server clock).
+//!
+//! What is checked (the first broken one ends the run):
+//! - `left-unsent`: a record leaves `Timeouts` only after a confirmed, routed publish of it, or
+//!   into the parked collection (the simulation runs no operator cancels);
+//! - `not-done`: once faults stop, every ordinary record is delivered or parked, every
+//!   unroutable one parked, within [`crate::sim::swarm::Scenario::liveness_bound_ms`] (hostile
+//!   ones may also stay, unschedulable);
+//! - `stolen-lease`: no instance's publish reaches the broker while the record is leased, live
+//!   by the server clock, to an owner another instance took;
+//!   (a publish by an instance paused within the last lease is counted, not failed: a pause
+//!   between the lease check and the write lets any lease run out, and no client can tell);
+//! - `early`: nothing reaches the broker before its due instant by the server clock;
+//! - `foreign-write`: timeoutd writes no field of a record but `Locked`, `LockedBy`,
+//!   `LockExpiresAt` (each write on `Timeouts` is checked, and each document's other fields
+//!   against what was inserted);
+//! - `ready-while-stuck` (once faults stopped, without send-rate limits): no live instance
+//!   reports ready while a record it could claim has been claimable, unleased, for longer
+//!   than its progress window (`stall_after`) plus two monitor intervals and a poll;
+//! - `uncounted-duplicate`: every routed delivery after a record's first is counted by the
+//!   fleet's lease-lost or duplicate series, except those after a delivery by an instance that
+//!   was killed (read through the run's own metrics recorder at the end).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use bson::{Bson, Document};
+use timeoutd::store::backend::{Op, Reply};
+
+/// The lock fields, the only ones timeoutd may write on a record.
+pub const LOCK_FIELDS: [&str; 3] = ["Locked", "LockedBy", "LockExpiresAt"];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub at_ms: u64,
+    pub invariant: &'static str,
+    pub detail: String,
+}
+
+/// What kind of end a record must reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// Delivered, or parked.
+    DeliveredOrParked,
+    /// Parked (no queue is bound to it).
+    Parked,
+    /// Anything (hostile: it may be unschedulable and stay).
+    Any,
+}
+
+#[derive(Debug, Clone)]
+pub struct RecordInfo {
+    /// `_id` as stored.
+    pub id: Bson,
+    /// The message key a publish of it carries: its `MessageId` (stable ids) or its
+    /// `CorrelationId` (random ids); `None` when it cannot be published.
+    pub message_key: Option<String>,
+    /// Due instant, Unix ms on the server's clock (`None`: no due instant decodes).
+    pub due_ms: Option<i64>,
+    pub expect: Expect,
+    /// The document as inserted, without its lock fields (compared as a document first, then
+    /// as BSON bytes, where a NaN equals itself).
+    pub fields: Document,
+    pub inserted: bool,
+}
+
+/// The key of an `_id` in maps.
+pub fn key(id: &Bson) -> String {
+    match id {
+        Bson::Binary(b) if b.bytes.len() == 16 => {
+            let hex: String = b.bytes.iter().map(|x| format!("{x:02x}")).collect();
+            format!("{}:{hex}", u8::from(b.subtype))
+        }
+        Bson::String(s) => format!("{s:?}"),
+        other => format!("{other}"),
+    }
+}
+
+/// A document's BSON bytes.
+pub fn bytes(doc: &Document) -> Vec<u8> {
+    bson::to_vec(doc).unwrap_or_default()
+}
+
+/// A document without its lock fields.
+pub fn without_locks(doc: &Document) -> Document {
+    let mut d = doc.clone();
+    for f in LOCK_FIELDS {
+        d.remove(f);
+    }
+    d
+}
+
+#[derive(Debug, Default)]
+pub struct Checker {
+    records: HashMap<String, RecordInfo>,
+    by_message: HashMap<String, String>,
+    /// Owners each instance's claims wrote, by owner.
+    owners: HashMap<String, usize>,
+    /// Records in `Timeouts` at the last look.
+    present: BTreeSet<String>,
+    /// Routed, confirmed deliveries of each record, by instance, in order.
+    delivered: HashMap<String, Vec<usize>>,
+    killed: BTreeSet<usize>,
+    /// Pauses of each instance: (from, until) in virtual ms.
+    pauses: HashMap<usize, Vec<(u64, u64)>>,
+    /// `[dispatch] lock_lease` in ms.
+    pub lease_ms: u64,
+    pub violation: Option<Violation>,
+    /// Invariants whose violations are counted (in `stats`) instead of ending the run: a
+    /// known open defect, so that a run can look past it (`--allow NAME`).
+    pub allowed: BTreeSet<String>,
+    pub timeouts: String,
+    pub parked: String,
+    /// Counts for the report.
+    pub stats: BTreeMap<&'static str, u64>,
+}
+
+impl Checker {
+    pub fn new(timeouts: &str, parked: &str) -> Self {
+        Self {
+            timeouts: timeouts.into(),
+            parked: parked.into(),
+            ..Self::default()
+        }
+    }
+
+    fn fail(&mut self, at_ms: u64, invariant: &'static str, detail: String) {
+        if self.allowed.contains(invariant) {
+            self.bump(invariant);
+            return;
+        }
+        if self.violation.is_none() {
+            self.violation = Some(Violation {
+                at_ms,
+                invariant,
+                detail,
+            });
+        }
+    }
+
+    fn bump(&mut self, what: &'static str) {
+        *self.stats.entry(what).or_default() += 1;
+    }
+
+    pub fn add_record(&mut self, info: RecordInfo) {
+        let k = key(&info.id);
+        if let Some(m) = &info.message_key {
+            self.by_message.insert(m.clone(), k.clone());
+        }
+        self.records.insert(k, info);
+    }
+
+    pub fn inserted(&mut self, id: &Bson) {
+        let k = key(id);
+        if let Some(r) = self.records.get_mut(&k) {
+            r.inserted = true;
+        }
+        self.present.insert(k);
+    }
+
+    /// `instance` is paused from `from_ms` to `until_ms` (virtual).
+    pub fn paused(&mut self, instance: usize, from_ms: u64, until_ms: u64) {
+        self.pauses
+            .entry(instance)
+            .or_default()
+            .push((from_ms, until_ms));
+    }
+
+    /// Whether `instance` was paused within the last lease before `at_ms`: a pause between
+    /// the lease check and the write (a SIGSTOP, a long GC) lets any lease run out, and no
+    /// client can tell; its publishes then are counted, not failed.
+    fn paused_lately(&self, instance: usize, at_ms: u64) -> bool {
+        self.pauses.get(&instance).is_some_and(|p| {
+            p.iter()
+                .any(|(from, until)| *from <= at_ms && *until + self.lease_ms >= at_ms)
+        })
+    }
+
+    pub fn killed(&mut self, instance: usize) {
+        self.killed.insert(instance);
+    }
+
+    /// A call from `instance` to MongoDB and its answer.
+    pub fn call(&mut self, at_ms: u64, instance: usize, collection: &str, op: &Op, reply: &Reply) {
+        let _ = reply;
+        if collection != self.timeouts {
+            return;
+        }
+        let update = match op {
+            Op::Update { update, .. } => Some(update),
+            Op::FindOneAndUpdate { update, .. } => Some(update),
+            Op::Replace { .. } => {
+                self.fail(
+                    at_ms,
+                    "foreign-write",
+                    format!("instance {instance} replaced a whole record: {op:?}"),
+                );
+                None
+            }
+            Op::Insert { .. } => {
+                self.fail(
+                    at_ms,
+                    "foreign-write",
+                    format!("instance {instance} inserted into Timeouts: {op:?}"),
+                );
+                None
+            }
+            _ => None,
+        };
+        let Some(update) = update else { return };
+        for (operator, fields) in update {
+            let Some(fields) = fields.as_document() else {
+                self.fail(
+                    at_ms,
+                    "foreign-write",
+                    format!("instance {instance}: update operator {operator} with {fields}"),
+                );
+                continue;
+            };
+            for (name, value) in fields {
+                if !LOCK_FIELDS.contains(&name.as_str()) {
+                    self.fail(
+                        at_ms,
+                        "foreign-write",
+                        format!("instance {instance} writes {operator} {name} on a record"),
+                    );
+                }
+                if operator == "$set"
+                    && name == "LockedBy"
+                    && let Some(owner) = uuid_text(value)
+                {
+                    self.owners.entry(owner).or_insert(instance);
+                }
+            }
+        }
+    }
+
+    /// The stored `_id` of a record.
+    pub fn id_of(&self, record: &str) -> Option<Bson> {
+        self.records.get(record).map(|r| r.id.clone())
+    }
+
+    /// The record a message is of.
+    pub fn record_of(&self, message_key: &str) -> Option<String> {
+        self.by_message.get(message_key).cloned()
+    }
+
+    /// A publish from `instance` reached the broker, with the record's document as the
+    /// database holds it now and the server's clock.
+    pub fn published(
+        &mut self,
+        at_ms: u64,
+        instance: usize,
+        record: &str,
+        doc: Option<&Document>,
+        server_ms: i64,
+    ) {
+        self.bump("publishes");
+        let Some(info) = self.records.get(record) else {
+            return;
+        };
+        if let Some(due) = info.due_ms
+            && server_ms < due
+        {
+            let d = format!(
+                "instance {instance} published {record} at server time {server_ms}, {} ms before its due instant {due}",
+                due - server_ms
+            );
+            self.fail(at_ms, "early", d);
+        }
+        let Some(doc) = doc else { return };
+        let owner = doc.get("LockedBy").and_then(uuid_text);
+        let expires = doc
+            .get("LockExpiresAt")
+            .and_then(Bson::as_datetime)
+            .map(|d| d.timestamp_millis());
+        if let (Some(owner), Some(expires)) = (owner, expires)
+            && expires > server_ms
+            && let Some(&holder) = self.owners.get(&owner)
+            && holder != instance
+        {
+            if self.paused_lately(instance, at_ms) {
+                self.bump("stolen-lease-after-pause");
+                return;
+            }
+            let d = format!(
+                "instance {instance} published {record} while instance {holder}'s lease (owner {owner}) is live for {} ms more by the server clock",
+                expires - server_ms
+            );
+            self.fail(at_ms, "stolen-lease", d);
+        }
+    }
+
+    /// A publish of `record` by `instance` was confirmed and routed to a queue.
+    pub fn delivered(&mut self, instance: usize, record: &str) {
+        self.bump("deliveries");
+        self.delivered
+            .entry(record.to_string())
+            .or_default()
+            .push(instance);
+    }
+
+    /// After a call answered: the records in `Timeouts` and in the parked collection now.
+    pub fn look(&mut self, at_ms: u64, timeouts: &[Document], parked: &[Document]) {
+        let mut now = BTreeSet::new();
+        for doc in timeouts {
+            let Some(id) = doc.get("_id") else { continue };
+            let k = key(id);
+            if let Some(info) = self.records.get(&k) {
+                let fields = without_locks(doc);
+                if fields != info.fields && bytes(&fields) != bytes(&info.fields) {
+                    let d = format!(
+                        "record {k} changed outside its lock fields: {}",
+                        super::trace::short(&fields, 300)
+                    );
+                    self.fail(at_ms, "foreign-write", d);
+                }
+            }
+            now.insert(k);
+        }
+        let parked: BTreeSet<String> = parked
+            .iter()
+            .filter_map(|d| d.get("_id").map(key))
+            .collect();
+        let gone: Vec<String> = self.present.difference(&now).cloned().collect();
+        for k in gone {
+            let delivered = self.delivered.get(&k).is_some_and(|v| !v.is_empty());
+            if !delivered && !parked.contains(&k) {
+                let d = format!(
+                    "record {k} left Timeouts with no confirmed, routed publish and no parked copy"
+                );
+                self.fail(at_ms, "left-unsent", d);
+            }
+        }
+        self.present = now;
+    }
+
+    /// A record that should be sent and that nobody holds (no live lease by the server clock)
+    /// although it has been claimable for longer than `window_ms` (counted from its due
+    /// instant, its last lease's expiry and `since_ms`, all on the server clock).
+    pub fn left_unclaimed(
+        &self,
+        timeouts: &[Document],
+        server_ms: i64,
+        since_ms: i64,
+        window_ms: i64,
+    ) -> Option<String> {
+        for doc in timeouts {
+            let Some(id) = doc.get("_id") else { continue };
+            let k = key(id);
+            let Some(info) = self.records.get(&k) else {
+                continue;
+            };
+            if info.expect != Expect::DeliveredOrParked {
+                continue;
+            }
+            let Some(due) = info.due_ms else { continue };
+            let expires = doc
+                .get("LockExpiresAt")
+                .and_then(Bson::as_datetime)
+                .map_or(i64::MIN, |d| d.timestamp_millis());
+            let claimable_since = due.max(expires).max(since_ms);
+            if server_ms - claimable_since > window_ms {
+                return Some(format!(
+                    "record {k} due at {due} claimable for {} ms (lease expired at {expires})",
+                    server_ms - claimable_since
+                ));
+            }
+        }
+        None
+    }
+
+    /// Records a violation found outside the checker (readiness).
+    pub fn broken(&mut self, at_ms: u64, invariant: &'static str, detail: String) {
+        self.fail(at_ms, invariant, detail);
+    }
+
+    /// Whether every inserted record with an end to reach has reached it.
+    pub fn all_done(&self, parked: &[Document]) -> bool {
+        let parked: BTreeSet<String> = parked
+            .iter()
+            .filter_map(|d| d.get("_id").map(key))
+            .collect();
+        self.records.iter().all(|(k, info)| {
+            let present = self.present.contains(k);
+            match info.expect {
+                Expect::Any => true,
+                _ if !info.inserted => false,
+                Expect::DeliveredOrParked => {
+                    !present && (parked.contains(k) || self.delivered.contains_key(k))
+                }
+                Expect::Parked => !present && parked.contains(k),
+            }
+        })
+    }
+
+    /// At the end of the liveness phase: every record reached its end.
+    /// `deliveries`: every message the broker routed, as (record, instance), in order.
+    pub fn finish(
+        &mut self,
+        at_ms: u64,
+        parked: &[Document],
+        counted_duplicates: f64,
+        deliveries: &[(String, usize)],
+    ) {
+        let parked: BTreeSet<String> = parked
+            .iter()
+            .filter_map(|d| d.get("_id").map(key))
+            .collect();
+        let mut records: Vec<(&String, &RecordInfo)> = self.records.iter().collect();
+        records.sort_by(|a, b| a.0.cmp(b.0));
+        let mut failures = Vec::new();
+        for (k, info) in records {
+            if !info.inserted {
+                continue;
+            }
+            let present = self.present.contains(k);
+            let delivered = self.delivered.get(k).is_some_and(|v| !v.is_empty());
+            let is_parked = parked.contains(k);
+            let ok = match info.expect {
+                Expect::Any => true,
+                Expect::DeliveredOrParked => !present && (delivered || is_parked),
+                Expect::Parked => !present && is_parked,
+            };
+            if !ok {
+                failures.push(format!(
+                    "{k} ({:?}, due {:?}): present {present}, delivered {delivered}, parked {is_parked}",
+                    info.expect, info.due_ms
+                ));
+            }
+        }
+        if !failures.is_empty() {
+            let d = format!(
+                "{} record(s) not done: {}",
+                failures.len(),
+                failures.join("; ")
+            );
+            self.fail(at_ms, "not-done", d);
+        }
+        // Duplicates: deliveries after the first, except after a killed instance's delivery.
+        let mut uncounted = 0u64;
+        let mut total = 0u64;
+        let mut routed: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (record, instance) in deliveries {
+            routed.entry(record.as_str()).or_default().push(*instance);
+        }
+        for by in routed.values() {
+            for (i, _) in by.iter().enumerate().skip(1) {
+                total += 1;
+                let excused = by[..i].iter().any(|p| self.killed.contains(p));
+                if !excused {
+                    uncounted += 1;
+                }
+            }
+        }
+        self.stats.insert("duplicates", total);
+        self.stats
+            .insert("counted-duplicates", counted_duplicates as u64);
+        if (uncounted as f64) > counted_duplicates {
+            let d = format!(
+                "{uncounted} duplicate deliveries not after a killed instance's, {counted_duplicates} counted"
+            );
+            self.fail(at_ms, "uncounted-duplicate", d);
+        }
+    }
+}
+
+/// A GUID stored as Binary subtype 3 or 4, as text (byte order as stored: only compared).
+pub fn uuid_text(value: &Bson) -> Option<String> {
+    match value {
+        Bson::Binary(b) if b.bytes.len() == 16 => {
+            Some(b.bytes.iter().map(|x| format!("{x:02x}")).collect())
+        }
+        Bson::String(s) => Some(s.clone()),
+        _ => None,
+    }
+}

@@ -1,0 +1,480 @@
+//! What one seed draws ("swarm" testing, as TigerBeetle's VOPR does): the configuration, the
+//! instances, the records and the faults over time. A [`Scenario`] is plain data, written to
+//! and read from a JSON file, so that a failing seed shrinks to a small scenario kept under
+//! `tests/sim/regressions/` and replayed by the test.
+
+use serde::{Deserialize, Serialize};
+
+/// A small deterministic generator (splitmix64): the scenario depends on the seed only.
+#[derive(Debug, Clone)]
+pub struct Draw(u64);
+
+impl Draw {
+    pub fn new(seed: u64) -> Self {
+        Self(seed ^ 0x005E_ED0F_7133_0C7D)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        if hi <= lo {
+            return lo;
+        }
+        lo + self.next() % (hi - lo + 1)
+    }
+
+    /// True with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        let i = self.range(0, items.len().saturating_sub(1) as u64) as usize;
+        &items[i]
+    }
+}
+
+/// The configuration a seed draws (everything timeoutd reads that changes a schedule).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Knobs {
+    /// "auto", "dotnet-ticks" or "date".
+    pub time_encoding: String,
+    pub lease_ms: u64,
+    pub margin_ms: u64,
+    pub poll_ms: u64,
+    /// `None`: twice the poll interval.
+    pub look_ahead_ms: Option<u64>,
+    pub batch_size: u32,
+    pub op_timeout_ms: u64,
+    pub publish_timeout_ms: u64,
+    pub connect_timeout_ms: u64,
+    pub shutdown_timeout_ms: u64,
+    /// "stable" or "random".
+    pub message_id: String,
+    pub max_rate: Option<f64>,
+    /// Per-destination send-rate limits.
+    pub destination_rates: Vec<(String, f64)>,
+    pub retry_base_ms: u64,
+    pub retry_cap_ms: u64,
+    pub max_attempts: u32,
+    /// MongoDB model, while faults are on: the server's time per operation (min, max), the
+    /// pause before each document of a multi-document write, and the chances of a request
+    /// cut, a lost reply, a `maxTimeMS` error (code 50), a long stall.
+    pub mongo_latency_ms: (u64, u64),
+    pub mongo_per_document_ms: Option<(u64, u64)>,
+    pub mongo_p_cut: f64,
+    pub mongo_p_lose_reply: f64,
+    pub mongo_p_error: f64,
+    pub mongo_p_stall: f64,
+    /// The server clock's drift while faults are on (parts per million).
+    pub server_drift_ppm: i64,
+    /// RabbitMQ model: the chance an ack waits for a multiple-ack, and of a nack.
+    pub rabbit_ack_multiple: f64,
+    pub rabbit_nack_rate: f64,
+}
+
+/// One instance of timeoutd: when it starts and how wrong its host's clock is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InstanceSpec {
+    pub start_at_ms: u64,
+    pub skew_ms: i64,
+}
+
+/// What a record is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum RecordKind {
+    /// A ServiceConnect v7 record (`Time` as ticks at offset 0, standard GUIDs) or a public
+    /// one (`Time` a date, C# legacy GUIDs), whichever the encoding serves, to a bound queue.
+    Ordinary { destination: usize },
+    /// An ordinary record to a queue nothing is bound to: retried, then parked.
+    Unroutable,
+    /// A hostile document from `tests/common/hostile.rs`, drawn from this seed.
+    Hostile { seed: u64 },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RecordSpec {
+    pub kind: RecordKind,
+    /// Due this long after the simulation's start (negative: already overdue).
+    pub due_ms: i64,
+    /// Inserted this long after the start (0: before any instance starts).
+    pub insert_at_ms: u64,
+}
+
+/// A fault, at an instant of the simulation.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum FaultKind {
+    /// kill -9: the instance's tasks are dropped where they are, its calls never answer, its
+    /// leases remain. A new instance takes its place at the end of the faults.
+    Kill { instance: usize },
+    /// SIGTERM: its shutdown token is cancelled (it drains). Restarted at the end.
+    Sigterm { instance: usize },
+    /// The instance stops (a GC pause, a VM freeze): its calls and their answers are held.
+    Pause { instance: usize, for_ms: u64 },
+    /// The host's wall clock steps by `ms` (NTP, VM resume).
+    ClockStep { instance: usize, ms: i64 },
+    /// Calls from the instance to MongoDB answer `delay_ms` late for `for_ms` (the request
+    /// runs on the server at once; its answer is late, or lost if the client gave up).
+    MongoSlow {
+        instance: usize,
+        delay_ms: u64,
+        for_ms: u64,
+    },
+    /// Calls from the instance to MongoDB fail with a network error for `for_ms`.
+    MongoCut { instance: usize, for_ms: u64 },
+    /// The instance's link to RabbitMQ is lost (status closed, publishes fail, unanswered
+    /// confirms fail) for `for_ms`: reconnects fail meanwhile.
+    RabbitCut { instance: usize, for_ms: u64 },
+    /// The broker withholds the instance's confirms for `for_ms` (they resolve late).
+    RabbitWithhold { instance: usize, for_ms: u64 },
+    /// `connection.blocked` on the instance's link for `for_ms`.
+    RabbitBlocked { instance: usize, for_ms: u64 },
+    /// A fault of the MongoDB model itself (server clock step or drift, step-down, stall,
+    /// cut of every client), by name, for `for_ms`.
+    MongoModel { name: String, arg: i64, for_ms: u64 },
+    /// A fault of the RabbitMQ model itself (a node down, unreachable or stalled, a memory
+    /// alarm, a queue withholding confirms or nacking, a connection closed), for `for_ms`.
+    RabbitModel { name: String, arg: i64, for_ms: u64 },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Fault {
+    pub at_ms: u64,
+    pub kind: FaultKind,
+}
+
+/// One seed's whole world.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Scenario {
+    pub seed: u64,
+    pub knobs: Knobs,
+    /// Unix milliseconds of the simulated start (the server's clock).
+    pub start_unix_ms: i64,
+    pub instances: Vec<InstanceSpec>,
+    /// The bound destinations (queues), by index.
+    pub destinations: Vec<String>,
+    pub records: Vec<RecordSpec>,
+    pub faults: Vec<Fault>,
+    /// When the faults stop (every fault has ended by then); the liveness phase follows.
+    pub faults_end_ms: u64,
+}
+
+/// The queue nothing is bound to.
+pub const UNROUTABLE: &str = "sim-unbound";
+
+impl Scenario {
+    /// Draws the scenario of `seed`.
+    pub fn draw(seed: u64) -> Self {
+        let mut d = Draw::new(seed);
+        let poll_ms = *d.pick(&[50, 200, 500, 1000, 2000]);
+        let lease_ms = *d.pick(&[3_000, 5_000, 10_000, 30_000, 60_000]);
+        // The lease must outlast the margin, a poll and the publish timeout (validated too).
+        let margin_ms = d.range(100, (lease_ms / 4).max(200));
+        let publish_timeout_ms = *d.pick(&[300, 1000, 3000, 5000]);
+        let op_timeout_ms = *d.pick(&[200, 1000, 2000, 5000]);
+        let knobs = Knobs {
+            time_encoding: d.pick(&["auto", "dotnet-ticks", "date"]).to_string(),
+            lease_ms,
+            margin_ms,
+            poll_ms,
+            look_ahead_ms: if d.chance(0.5) {
+                None
+            } else {
+                Some(*d.pick(&[0, 100, 1000, 5000]))
+            },
+            batch_size: *d.pick(&[1, 2, 7, 50, 500]),
+            op_timeout_ms,
+            publish_timeout_ms,
+            connect_timeout_ms: *d.pick(&[300, 1000, 5000]),
+            shutdown_timeout_ms: *d.pick(&[500, 2000, 10_000]),
+            message_id: d.pick(&["stable", "random"]).to_string(),
+            max_rate: if d.chance(0.2) {
+                Some(*d.pick(&[5.0, 50.0, 500.0]))
+            } else {
+                None
+            },
+            destination_rates: if d.chance(0.2) {
+                vec![("sim-q0".to_string(), *d.pick(&[2.0, 20.0]))]
+            } else {
+                Vec::new()
+            },
+            retry_base_ms: *d.pick(&[50, 200, 1000]),
+            retry_cap_ms: 5_000,
+            max_attempts: d.range(1, 4) as u32,
+            mongo_latency_ms: *d.pick(&[(0, 1), (1, 5), (5, 50), (20, 400)]),
+            mongo_per_document_ms: if d.chance(0.4) {
+                Some(*d.pick(&[(0, 1), (1, 20)]))
+            } else {
+                None
+            },
+            mongo_p_cut: *d.pick(&[0.0, 0.0, 0.01, 0.05]),
+            mongo_p_lose_reply: *d.pick(&[0.0, 0.0, 0.01, 0.05]),
+            mongo_p_error: *d.pick(&[0.0, 0.0, 0.01, 0.03]),
+            mongo_p_stall: *d.pick(&[0.0, 0.0, 0.0, 0.01]),
+            server_drift_ppm: *d.pick(&[0, 0, 0, 100, -100, 2_000]),
+            rabbit_ack_multiple: *d.pick(&[0.0, 0.3, 0.8]),
+            rabbit_nack_rate: *d.pick(&[0.0, 0.0, 0.0, 0.02]),
+        };
+        let mut knobs = knobs;
+        // What validation asks: a lease longer than the margin, a poll and the look-ahead.
+        let look_ahead = knobs.look_ahead_ms.unwrap_or(2 * knobs.poll_ms);
+        let needed = knobs.margin_ms + knobs.poll_ms + look_ahead;
+        if knobs.lease_ms <= needed {
+            knobs.lease_ms = needed + 1_000;
+        }
+        let lease_ms = knobs.lease_ms;
+        let n_instances = d.range(1, 4) as usize;
+        let instances = (0..n_instances)
+            .map(|i| InstanceSpec {
+                start_at_ms: if i == 0 { 0 } else { d.range(0, 3_000) },
+                skew_ms: if d.chance(0.3) {
+                    d.range(0, 20_000) as i64 - 10_000
+                } else {
+                    0
+                },
+            })
+            .collect();
+        let destinations: Vec<String> = (0..d.range(1, 3)).map(|i| format!("sim-q{i}")).collect();
+        let faults_end_ms = d.range(5_000, 60_000);
+        let n_records = d.range(1, 120) as usize;
+        let hostile_p = if d.chance(0.3) { 0.15 } else { 0.0 };
+        let unroutable_p = if d.chance(0.3) { 0.1 } else { 0.0 };
+        let records = (0..n_records)
+            .map(|_| {
+                let kind = if d.chance(hostile_p) {
+                    RecordKind::Hostile { seed: d.next() }
+                } else if d.chance(unroutable_p) {
+                    RecordKind::Unroutable
+                } else {
+                    RecordKind::Ordinary {
+                        destination: d.range(0, destinations.len() as u64 - 1) as usize,
+                    }
+                };
+                RecordSpec {
+                    kind,
+                    due_ms: d.range(0, faults_end_ms + 5_000) as i64 - 2_000,
+                    insert_at_ms: if d.chance(0.7) {
+                        0
+                    } else {
+                        d.range(0, faults_end_ms)
+                    },
+                }
+            })
+            .collect();
+        let fault_rate = *d.pick(&[0.0, 0.5, 2.0, 6.0]);
+        let n_faults = ((faults_end_ms as f64 / 10_000.0) * fault_rate).round() as usize;
+        let mut faults = Vec::new();
+        for _ in 0..n_faults {
+            let at_ms = d.range(0, faults_end_ms.saturating_sub(1));
+            let left = faults_end_ms - at_ms;
+            let instance = d.range(0, n_instances as u64 - 1) as usize;
+            let for_ms = d.range(1, left.min(30_000));
+            let kind = match d.range(0, 11) {
+                0 => FaultKind::Kill { instance },
+                1 => FaultKind::Sigterm { instance },
+                2 => FaultKind::Pause {
+                    instance,
+                    for_ms: d.range(1, left.min(lease_ms * 2)),
+                },
+                3 => FaultKind::ClockStep {
+                    instance,
+                    ms: d.range(0, 120_000) as i64 - 60_000,
+                },
+                4 | 5 => FaultKind::MongoSlow {
+                    instance,
+                    delay_ms: *d.pick(&[
+                        op_timeout_ms / 2,
+                        op_timeout_ms.saturating_sub(10),
+                        op_timeout_ms + 10,
+                        op_timeout_ms * 3,
+                    ]),
+                    for_ms,
+                },
+                6 => FaultKind::MongoCut { instance, for_ms },
+                7 => FaultKind::RabbitCut { instance, for_ms },
+                8 => FaultKind::RabbitWithhold { instance, for_ms },
+                9 => FaultKind::RabbitBlocked { instance, for_ms },
+                10 => {
+                    let name = *d.pick(&["clock_step", "drift", "step_down", "stall", "cut"]);
+                    let arg = match name {
+                        // A server clock step smaller than the margin: a larger one breaks
+                        // any lease on the server's clock, whatever the client does.
+                        "clock_step" => d.range(0, margin_ms) as i64 - (margin_ms / 2) as i64,
+                        "drift" => *d.pick(&[-500, 500, 5_000]),
+                        _ => 0,
+                    };
+                    FaultKind::MongoModel {
+                        name: name.to_string(),
+                        arg,
+                        for_ms: d.range(1, left.min(10_000)),
+                    }
+                }
+                _ => FaultKind::RabbitModel {
+                    name: d
+                        .pick(&[
+                            "node_down",
+                            "node_hang",
+                            "stall_node",
+                            "alarm",
+                            "withhold",
+                            "nack",
+                            "close",
+                        ])
+                        .to_string(),
+                    arg: d.range(0, 7) as i64,
+                    for_ms: d.range(1, left.min(10_000)),
+                },
+            };
+            faults.push(Fault { at_ms, kind });
+        }
+        faults.sort_by_key(|f| f.at_ms);
+        Scenario {
+            seed,
+            knobs,
+            start_unix_ms: 1_767_225_600_000 + d.range(0, 86_400_000) as i64,
+            instances,
+            destinations,
+            records,
+            faults,
+            faults_end_ms,
+        }
+    }
+
+    /// The bound on the liveness phase: once faults stop, every record is delivered or
+    /// parked within this many milliseconds. A restart (start-up, a poll), a lease left by a
+    /// killed instance (the lease, the reaper's interval), the retries of an unroutable
+    /// record (their back-offs, each under a lease), a rate-limited backlog, and slack for
+    /// the calls' deadlines.
+    pub fn liveness_bound_ms(&self) -> u64 {
+        let k = &self.knobs;
+        let reaper = k.lease_ms / 4;
+        let mut retries = 0u64;
+        for attempt in 1..=u64::from(k.max_attempts) {
+            let d = k.retry_base_ms.saturating_mul(1 << (attempt - 1).min(20));
+            retries += d.min(k.retry_cap_ms) + k.lease_ms + k.poll_ms;
+        }
+        let n = self.records.len() as f64;
+        let slowest_rate = k
+            .destination_rates
+            .iter()
+            .map(|(_, r)| *r)
+            .chain(k.max_rate)
+            .fold(f64::INFINITY, f64::min);
+        let rate_ms = if slowest_rate.is_finite() {
+            (n / slowest_rate * 1000.0) as u64
+        } else {
+            0
+        };
+        let latest_due = self
+            .records
+            .iter()
+            .map(|r| r.due_ms.max(0) as u64)
+            .max()
+            .unwrap_or(0)
+            .saturating_sub(self.faults_end_ms);
+        let calls = 10 * (k.op_timeout_ms + k.publish_timeout_ms + k.connect_timeout_ms);
+        latest_due + 2 * k.lease_ms + reaper + retries + rate_ms + 10 * k.poll_ms + calls + 30_000
+    }
+}
+
+impl Scenario {
+    /// The smaller scenarios to try in place of this failing one, most promising first:
+    /// without all faults, without each fault, without each half of the records, without
+    /// each record (when few are left), without the last instance.
+    pub fn smaller(&self) -> Vec<Scenario> {
+        let mut out = Vec::new();
+        if !self.faults.is_empty() {
+            out.push(Scenario {
+                faults: Vec::new(),
+                ..self.clone()
+            });
+            for i in 0..self.faults.len() {
+                let mut s = self.clone();
+                s.faults.remove(i);
+                out.push(s);
+            }
+        }
+        let n = self.records.len();
+        if n > 1 {
+            let half = n / 2;
+            let mut a = self.clone();
+            a.records.truncate(half);
+            out.push(a);
+            let mut b = self.clone();
+            b.records.drain(..half);
+            out.push(b);
+        }
+        if n > 1 && n <= 16 {
+            for i in 0..n {
+                let mut s = self.clone();
+                s.records.remove(i);
+                out.push(s);
+            }
+        }
+        if self.instances.len() > 1 {
+            let last = self.instances.len() - 1;
+            let mut s = self.clone();
+            s.instances.pop();
+            s.faults.retain(|f| f.kind.instance() != Some(last));
+            out.push(s);
+        }
+        out
+    }
+
+    /// A size to compare shrunk scenarios by.
+    pub fn size(&self) -> usize {
+        self.faults.len() * 4 + self.records.len() + self.instances.len() * 2
+    }
+}
+
+impl FaultKind {
+    /// The instance a fault is on, if any.
+    pub fn instance(&self) -> Option<usize> {
+        match self {
+            FaultKind::Kill { instance }
+            | FaultKind::Sigterm { instance }
+            | FaultKind::Pause { instance, .. }
+            | FaultKind::ClockStep { instance, .. }
+            | FaultKind::MongoSlow { instance, .. }
+            | FaultKind::MongoCut { instance, .. }
+            | FaultKind::RabbitCut { instance, .. }
+            | FaultKind::RabbitWithhold { instance, .. }
+            | FaultKind::RabbitBlocked { instance, .. } => Some(*instance),
+            FaultKind::MongoModel { .. } | FaultKind::RabbitModel { .. } => None,
+        }
+    }
+}
+
+/// Shrinks a failing scenario: keeps the first smaller one that still breaks `invariant`,
+/// until none does or `budget` runs were spent. `fails` runs a scenario and names the
+/// invariant it broke.
+pub fn shrink(
+    start: &Scenario,
+    invariant: &str,
+    budget: usize,
+    mut fails: impl FnMut(&Scenario) -> Option<String>,
+) -> (Scenario, usize) {
+    let mut best = start.clone();
+    let mut runs = 0;
+    'outer: while runs < budget {
+        for candidate in best.smaller() {
+            if runs >= budget {
+                break 'outer;
+            }
+            runs += 1;
+            if fails(&candidate).as_deref() == Some(invariant) {
+                best = candidate;
+                continue 'outer;
+            }
+        }
+        break;
+    }
+    (best, runs)
+}

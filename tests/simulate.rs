@@ -1,0 +1,306 @@
+//! The deterministic simulation's runner (issue 25): `cargo test --test simulate -- [options]`
+//! or `scripts/simulate.sh [options]`.
+//!
+//! Runs the regression scenarios kept under `tests/sim/regressions/`, then seeds: each draws a
+//! fleet, its records and its faults ([`sim::swarm`]), runs the real daemons on the models
+//! under a paused clock ([`sim::fleet`]) and checks the invariants on every step
+//! ([`sim::invariants`]). Some seeds run twice and their trace hashes must match (the same
+//! seed replays the same trace). A failing seed prints its configuration, the first broken
+//! invariant and the trace that led to it, and is shrunk to a small scenario file written
+//! under `tests/sim/regressions/`.
+//!
+//! Options: `--seeds N` (default 64, or `SIMULATE_SEEDS`), `--from S` (first seed, default
+//! 0), `--seed S` (one seed, with its whole trace), `--replay FILE` (one scenario file),
+//! `--repeat K` (seeds run twice, default 4), `--no-shrink`, `--keep-going` (do not stop at the
+//! first failure), `--quiet`, `--allow NAME` (count the violations of invariant NAME instead of
+//! failing: to look past a known open defect).
+#![allow(clippy::disallowed_methods)]
+
+mod sim;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant as WallInstant;
+
+use sim::fleet::{Outcome, RunOptions, run};
+use sim::swarm::{Scenario, shrink};
+
+/// Seeds of a default run (`cargo test`): a few minutes on a loaded 2-core machine.
+const DEFAULT_SEEDS: u64 = 64;
+
+#[derive(Debug)]
+struct Args {
+    seeds: u64,
+    from: u64,
+    seed: Option<u64>,
+    replay: Option<PathBuf>,
+    repeat: u64,
+    shrink: bool,
+    keep_going: bool,
+    quiet: bool,
+    allow: Vec<String>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        seeds: std::env::var("SIMULATE_SEEDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(DEFAULT_SEEDS),
+        from: 0,
+        seed: None,
+        replay: None,
+        repeat: 4,
+        shrink: true,
+        keep_going: false,
+        quiet: false,
+        allow: Vec::new(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let num = |it: &mut dyn Iterator<Item = String>| {
+            it.next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or_else(|| {
+                    eprintln!("simulate: {arg} needs a number");
+                    std::process::exit(2)
+                })
+        };
+        match arg.as_str() {
+            "--seeds" => a.seeds = num(&mut it),
+            "--from" => a.from = num(&mut it),
+            "--seed" => a.seed = Some(num(&mut it)),
+            "--repeat" => a.repeat = num(&mut it),
+            "--replay" => a.replay = it.next().map(PathBuf::from),
+            "--no-shrink" => a.shrink = false,
+            "--keep-going" => a.keep_going = true,
+            "--quiet" => a.quiet = true,
+            "--allow" => a.allow.extend(it.next()),
+            // What cargo's test runner may pass (`--nocapture`, a filter, ...): ignored.
+            _ => {}
+        }
+    }
+    a
+}
+
+fn regressions_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sim/regressions")
+}
+
+fn report(label: &str, s: &Scenario, o: &Outcome, full: bool) {
+    let Some(v) = &o.violation else { return };
+    println!("FAILED {label}");
+    println!("  invariant: {} at {} ms", v.invariant, v.at_ms);
+    println!("  detail: {}", v.detail);
+    println!(
+        "  knobs: {}",
+        serde_json::to_string(&s.knobs).unwrap_or_default()
+    );
+    println!(
+        "  instances: {}, records: {}, faults: {}, faults end at {} ms",
+        s.instances.len(),
+        s.records.len(),
+        s.faults.len(),
+        s.faults_end_ms
+    );
+    for f in &s.faults {
+        println!("    fault at {} ms: {:?}", f.at_ms, f.kind);
+    }
+    let lines = match (&o.all, full) {
+        (Some(all), true) => all.clone(),
+        _ => o.tail.clone(),
+    };
+    println!("  trace (last {} of {} events):", lines.len(), o.events);
+    for l in lines {
+        println!("    {l}");
+    }
+}
+
+/// Shrinks a failing scenario and writes it under `tests/sim/regressions/`.
+fn keep(s: &Scenario, invariant: &str, opts: &RunOptions) -> Option<PathBuf> {
+    let (small, runs) = shrink(s, invariant, 60, |c| {
+        run(c, opts.clone())
+            .violation
+            .map(|v| v.invariant.to_string())
+    });
+    let dir = regressions_dir();
+    std::fs::create_dir_all(&dir).ok()?;
+    let path = dir.join(format!("seed-{}-{}.json", s.seed, invariant));
+    let text = serde_json::to_string_pretty(&small).ok()?;
+    std::fs::write(&path, text).ok()?;
+    println!(
+        "  shrunk in {runs} runs to {} instance(s), {} record(s), {} fault(s): {}",
+        small.instances.len(),
+        small.records.len(),
+        small.faults.len(),
+        path.display()
+    );
+    Some(path)
+}
+
+fn main() {
+    let a = args();
+    let opts = RunOptions {
+        keep_trace: false,
+        allow: a.allow.clone(),
+    };
+    let started = WallInstant::now();
+    let (mut passed, mut failed) = (0u64, 0u64);
+
+    // One scenario file, or one seed with its whole trace.
+    if let Some(path) = &a.replay {
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| {
+            eprintln!("simulate: cannot read {}: {e}", path.display());
+            std::process::exit(2)
+        });
+        let s: Scenario = serde_json::from_str(&text).unwrap_or_else(|e| {
+            eprintln!("simulate: {} is not a scenario: {e}", path.display());
+            std::process::exit(2)
+        });
+        let o = run(
+            &s,
+            RunOptions {
+                keep_trace: true,
+                ..opts.clone()
+            },
+        );
+        report(&path.display().to_string(), &s, &o, true);
+        finish(
+            u64::from(o.violation.is_none()),
+            u64::from(o.violation.is_some()),
+            started,
+        );
+    }
+    if let Some(seed) = a.seed {
+        let s = Scenario::draw(seed);
+        let o = run(
+            &s,
+            RunOptions {
+                keep_trace: true,
+                ..opts.clone()
+            },
+        );
+        if o.violation.is_none() && !a.quiet {
+            for l in o.all.iter().flatten() {
+                println!("    {l}");
+            }
+        }
+        report(&format!("seed {seed}"), &s, &o, true);
+        println!(
+            "seed {seed}: trace hash {:016x}, {} events, {} virtual ms, {:?}",
+            o.trace_hash, o.events, o.virtual_ms, o.stats
+        );
+        finish(
+            u64::from(o.violation.is_none()),
+            u64::from(o.violation.is_some()),
+            started,
+        );
+    }
+
+    // The regression scenarios.
+    let mut files: Vec<PathBuf> = std::fs::read_dir(regressions_dir())
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    files.retain(|p| p.extension().is_some_and(|x| x == "json"));
+    files.sort();
+    for path in &files {
+        let Ok(text) = std::fs::read_to_string(path) else {
+            continue;
+        };
+        let s: Scenario = match serde_json::from_str(&text) {
+            Ok(s) => s,
+            Err(e) => {
+                println!("FAILED {}: not a scenario: {e}", path.display());
+                failed += 1;
+                continue;
+            }
+        };
+        let o = run(&s, opts.clone());
+        if o.violation.is_some() {
+            report(&path.display().to_string(), &s, &o, false);
+            failed += 1;
+        } else {
+            passed += 1;
+        }
+    }
+
+    // The seeds.
+    let seeds_started = WallInstant::now();
+    let cpu_started = cpu_seconds();
+    let mut ran = 0u64;
+    for seed in a.from..a.from.saturating_add(a.seeds) {
+        let s = Scenario::draw(seed);
+        let one = WallInstant::now();
+        let o = run(&s, opts.clone());
+        ran += 1;
+        let took = one.elapsed().as_secs_f64();
+        if took > 10.0 && !a.quiet {
+            println!(
+                "simulate: seed {seed} took {took:.1} s ({} events, {} virtual ms)",
+                o.events, o.virtual_ms
+            );
+        }
+        let mut ok = o.violation.is_none();
+        if ok && seed - a.from < a.repeat {
+            let again = run(&s, opts.clone());
+            if again.trace_hash != o.trace_hash || again.events != o.events {
+                ok = false;
+                println!(
+                    "FAILED seed {seed}: not deterministic: trace hash {:016x} ({} events), then {:016x} ({} events)",
+                    o.trace_hash, o.events, again.trace_hash, again.events
+                );
+            }
+        }
+        if ok {
+            passed += 1;
+            if !a.quiet && ran.is_multiple_of(50) {
+                let secs = seeds_started.elapsed().as_secs_f64();
+                println!(
+                    "simulate: {ran} seeds in {secs:.1} s ({:.2} seeds/s)",
+                    ran as f64 / secs
+                );
+            }
+            continue;
+        }
+        failed += 1;
+        report(&format!("seed {seed}"), &s, &o, false);
+        if let Some(v) = &o.violation {
+            println!("  replay: scripts/simulate.sh --seed {seed}");
+            if a.shrink {
+                keep(&s, v.invariant, &opts);
+            }
+        }
+        if !a.keep_going {
+            break;
+        }
+    }
+    let secs = seeds_started.elapsed().as_secs_f64().max(1e-9);
+    let cpu = (cpu_seconds() - cpu_started).max(1e-9);
+    println!(
+        "simulate: {ran} seeds run in {secs:.1} s, {:.2} seeds/s ({:.0} seeds/min; {:.0} per CPU-minute); {} regression scenario(s)",
+        ran as f64 / secs,
+        ran as f64 / secs * 60.0,
+        ran as f64 / cpu * 60.0,
+        files.len()
+    );
+    finish(passed, failed, started);
+}
+
+/// CPU seconds this process has used (user and system): seeds per CPU second do not depend
+/// on how loaded the machine is.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes into the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+fn finish(passed: u64, failed: u64, started: WallInstant) -> ! {
+    println!(
+        "simulate: {passed} passed, {failed} failed ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    std::process::exit(if failed == 0 { 0 } else { 1 })
+}
