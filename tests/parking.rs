@@ -1,6 +1,7 @@
 //! Records the broker refuses are retried with back-off and then parked; poison records are
 //! parked at once; `timeoutd parked` lists, requeues and drops them. Real RabbitMQ, real test
 //! MongoDB.
+#![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 mod common;
 
