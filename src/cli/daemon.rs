@@ -24,6 +24,9 @@ use crate::store::serverload::Pacing;
 use crate::store::{Store, StoreError};
 use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};
 
+/// The shortest wait between two turns of the monitor, whatever asks for a sooner reading.
+const MONITOR_MIN_WAIT: Duration = Duration::from_millis(10);
+
 /// How often the server clock offset and the backlog gauges are refreshed.
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 
@@ -448,10 +451,15 @@ async fn monitor(
                 Err(e) => tracing::debug!(error = %e, "backlog query failed"),
             }
         }
+        // Never sooner than the backlog query's pacing allows: a reading due now while a
+        // failed query waits out its back-off made this loop spin without a wait (found by
+        // the simulation, issue 25: seeds 42 and 65 hung a core, the clock never advancing).
         let wait = health
             .progress()
             .next_reading_in()
-            .map_or(MONITOR_INTERVAL, |d| d.min(MONITOR_INTERVAL));
+            .map_or(MONITOR_INTERVAL, |d| d.min(MONITOR_INTERVAL))
+            .max(backlog.next_at().saturating_duration_since(Instant::now()))
+            .max(MONITOR_MIN_WAIT);
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.cancelled() => return,

@@ -308,7 +308,7 @@ impl Dispatcher {
     async fn next_event(&mut self, stopping: bool) -> Event {
         let now = Instant::now();
         let due_at = match (self.held.next_due(), &self.publisher) {
-            (Some(due), Some(_)) => Some(held::instant_of(due, self.store.clock().now(), now)),
+            (Some(due), Some(_)) => Some(held::instant_of(due, self.store.clock().earliest(), now)),
             _ => None,
         };
         let tick = self.next_tick(stopping, now);
@@ -456,7 +456,7 @@ impl Dispatcher {
 
     /// Starts removals and other settling while there are free slots. Releases come first.
     fn start_settling(&mut self) {
-        let now = self.store.clock().now();
+        let now = self.store.clock().latest();
         self.settle
             .release_expiring(now, self.config.dispatch.lease_safety_margin);
         while self.removals < MAX_REMOVALS && !self.settle.confirmed.is_empty() {

@@ -491,7 +491,7 @@ async fn removal_attempts(
                 health.set_up(m::MONGODB, false);
                 let wait = backoff
                     .next_delay()
-                    .min(lease.remaining(store.clock().now()));
+                    .min(lease.remaining(store.clock().latest()));
                 tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}

@@ -177,7 +177,8 @@ impl Dispatcher {
         if self.publisher.is_some() && !self.link_up && Instant::now() >= self.next_connect {
             self.start_connect();
         }
-        let now = self.store.clock().now();
+        // Due by the earliest the server's clock can read (never before it is due there).
+        let now = self.store.clock().earliest();
         if self.publisher.is_some() && self.held.next_due().is_some_and(|d| d <= now) {
             if self.link_up {
                 self.start_wave(now);
@@ -203,12 +204,14 @@ impl Dispatcher {
     /// parked, the rest published pipelined by a task that owns the link.
     pub(super) fn start_wave(&mut self, now: bson::DateTime) {
         let margin = self.config.dispatch.lease_safety_margin;
+        let latest = self.store.clock().latest();
         let sent_at = crate::host::wall_now();
         let mut too_late = Vec::new();
         let mut messages: Vec<OutgoingMessage> = Vec::new();
         let due = self.held.take_due(now);
         for r in self.hold_back(due, now) {
-            if r.lease.before_publish(now, margin) != PrePublish::Publish {
+            // The lease left by the latest the server's clock can read.
+            if r.lease.before_publish(latest, margin) != PrePublish::Publish {
                 too_late.push((r.id, r.lease));
                 continue;
             }

@@ -14,11 +14,34 @@ use tokio::time::Instant;
 
 use bson::DateTime;
 
-/// A server reading: the server's Unix milliseconds at a monotonic instant.
+/// A server reading: the server's Unix milliseconds at some monotonic instant between `sent`
+/// and `received` (the round trip of the `hello` that carried it).
 #[derive(Debug, Clone, Copy)]
 struct Reading {
     server_ms: i64,
-    at: Instant,
+    sent: Instant,
+    received: Instant,
+}
+
+/// How far the server's clock and this host's monotonic clock may run apart, in parts per
+/// million of the time since a reading: [`ServerClock::earliest`] and [`ServerClock::latest`]
+/// widen by it. Clocks kept by NTP stay well within 100 ppm; 1,000 leaves room for a VM's.
+pub const MAX_DRIFT_PPM: i64 = 1_000;
+
+impl Reading {
+    /// The server's time at the monotonic instant `at` if the reading was taken at `taken`,
+    /// its clocks running apart by `drift_ppm` (negative: the server's runs slower).
+    fn at(&self, taken: Instant, at: Instant, drift_ppm: i64) -> i64 {
+        let elapsed =
+            i64::try_from(at.saturating_duration_since(taken).as_millis()).unwrap_or(i64::MAX);
+        // Rounded away from the reading (a millisecond more), so that a bound stays a bound
+        // whatever the rounding of the clocks' milliseconds.
+        let drift = match drift_ppm.signum() {
+            0 => 0,
+            sign => elapsed.saturating_mul(drift_ppm) / 1_000_000 + sign,
+        };
+        self.server_ms.saturating_add(elapsed).saturating_add(drift)
+    }
 }
 
 /// A cheap, cloneable handle to the estimated server clock.
@@ -59,14 +82,39 @@ impl ServerClock {
         }
     }
 
-    /// The current estimate of the server's clock: the last reading plus the monotonic time
-    /// since; this host's wall clock before the first reading.
+    /// The current estimate of the server's clock: the last reading, taken as if at the
+    /// midpoint of its round trip, plus the monotonic time since; this host's wall clock before
+    /// the first reading. For stamps (a lease's expiry, a parked record's time), never for a
+    /// decision that a wrong guess would break: those use [`ServerClock::earliest`] and
+    /// [`ServerClock::latest`].
     pub fn now(&self) -> DateTime {
         match self.last() {
             Some(r) => {
-                let elapsed = i64::try_from(r.at.elapsed().as_millis()).unwrap_or(i64::MAX);
-                DateTime::from_millis(r.server_ms.saturating_add(elapsed))
+                let midpoint = r.sent + r.received.saturating_duration_since(r.sent) / 2;
+                DateTime::from_millis(r.at(midpoint, Instant::now(), 0))
             }
+            None => DateTime::from_millis(self.local_ms()),
+        }
+    }
+
+    /// The earliest the server's clock can read now, given the last reading: as if the server
+    /// read its clock just before the reply left (at `received`). "Is it due?" asks this, so
+    /// that nothing is published before it is due by the server's clock however slow and
+    /// lopsided the round trip was (the simulation's first finding, issue 25: the midpoint
+    /// is off by up to half the round trip), and a server clock that runs up to
+    /// [`MAX_DRIFT_PPM`] slower than this host's.
+    pub fn earliest(&self) -> DateTime {
+        match self.last() {
+            Some(r) => DateTime::from_millis(r.at(r.received, Instant::now(), -MAX_DRIFT_PPM)),
+            None => DateTime::from_millis(self.local_ms()),
+        }
+    }
+
+    /// The latest the server's clock can read now: as if it read its clock as the request
+    /// arrived (at `sent`). "How much of the lease is left?" asks this.
+    pub fn latest(&self) -> DateTime {
+        match self.last() {
+            Some(r) => DateTime::from_millis(r.at(r.sent, Instant::now(), MAX_DRIFT_PPM)),
             None => DateTime::from_millis(self.local_ms()),
         }
     }
@@ -81,10 +129,10 @@ impl ServerClock {
     /// Records a server reading `server` taken between the monotonic instants `sent` and
     /// `received`, and returns the new offset to this host's wall clock.
     pub fn observe(&self, server: DateTime, sent: Instant, received: Instant) -> i64 {
-        let midpoint = sent + received.saturating_duration_since(sent) / 2;
         let reading = Reading {
             server_ms: server.timestamp_millis(),
-            at: midpoint,
+            sent,
+            received: received.max(sent),
         };
         match self.reading.lock() {
             Ok(mut r) => *r = Some(reading),
@@ -138,5 +186,38 @@ mod tests {
             after - before
         );
         assert!((clock.offset_ms() + 3_600_000).abs() < 1_000);
+    }
+
+    /// A reading taken over a slow, lopsided round trip: the server may have read its clock
+    /// anywhere in it. "Due" is decided by the earliest time the reading allows, the lease left
+    /// by the latest, and both bound the server's true time (issue 25: with the midpoint alone,
+    /// records went out up to half a round trip before they were due).
+    #[tokio::test(start_paused = true)]
+    async fn earliest_and_latest_bound_the_server_time_a_round_trip_allows() {
+        let clock = ServerClock::default();
+        let sent = Instant::now();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let received = Instant::now();
+        // Read by the server 20 ms into the round trip (most of the delay was the reply's).
+        let true_at_read = 1_000_000;
+        clock.observe(DateTime::from_millis(true_at_read), sent, received);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The server's clock now: it read 1_000_000 at sent + 20 ms; 480 ms have passed since.
+        let truth = true_at_read + 480;
+        let (earliest, mid, latest) = (
+            clock.earliest().timestamp_millis(),
+            clock.now().timestamp_millis(),
+            clock.latest().timestamp_millis(),
+        );
+        // 100 ms and 500 ms since the bounds' instants, each widened by the drift allowance.
+        assert_eq!(earliest, true_at_read + 100 - 1);
+        assert_eq!(latest, true_at_read + 500 + 1);
+        assert!(
+            earliest <= truth && truth <= latest,
+            "{earliest} {truth} {latest}"
+        );
+        // The midpoint is 180 ms behind the truth here: a record due at the truth would look
+        // due to it only later, but one due 10 ms after `mid` (before truth) looks due at mid.
+        assert_eq!(mid, true_at_read + 300);
     }
 }
