@@ -5,9 +5,9 @@
 //!
 //! Subsystems, lowest layer first (a module uses only those before it; ARCHITECTURE.md has
 //! the code map and one record's path through them):
-//! - [`redact`], [`deadline`], [`backoff`], [`metrics`], [`host`]: credentials out of every
-//!   output, the bound on every call, retry back-off, every metric series, the wall clock and
-//!   randomness;
+//! - [`host`]: the wall clock, randomness, and the jittered retry back-off drawn from them;
+//! - [`redact`], [`deadline`], [`metrics`]: credentials out of every output, the bound on every
+//!   call, every metric series;
 //! - [`config`], the TOML file, environment overrides and validation;
 //! - [`service`], the process shell: health, supervision, HTTP, systemd, signals;
 //! - [`record`], the ServiceConnect document, GUIDs, the `Time` shapes, the wire message;
@@ -17,7 +17,6 @@
 //! - [`dispatch`], the dispatch loop, the publisher, rate limits and wake-ups;
 //! - [`cli`], the command line and `timeoutd run`.
 
-pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod deadline;

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
+use crate::host::backoff::Backoff;
 use crate::config::Config;
 use crate::dispatch::Dispatcher;
 use crate::dispatch::publisher::Publisher;

@@ -51,7 +51,7 @@ use tokio::sync::Notify;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
+use crate::host::backoff::Backoff;
 use crate::config::Config;
 use crate::dispatch::publisher::{PublishError, Publisher, SendOutcome};
 use crate::metrics as m;

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::held::Ready;
-use crate::backoff::Backoff;
+use crate::host::backoff::Backoff;
 use crate::config::RetryConfig;
 use crate::dispatch::publisher::SendOutcome;
 use crate::metrics as m;

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use mongodb::error::ErrorKind;
 
-use crate::backoff::Backoff;
+use crate::host::backoff::Backoff;
 use crate::store::StoreError;
 
 /// MongoDB's error code for a command stopped by its `maxTimeMS`.

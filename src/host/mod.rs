@@ -8,6 +8,9 @@
 //! Outside a simulation no [`Host`] is in scope and the real clock and a thread-local
 //! generator serve. A task spawned with [`spawn`] (or a future wrapped by [`inherit`])
 //! keeps the host of the task that spawned it. `clippy.toml` keeps the direct calls out.
+//! [`backoff`] is the jittered retry delay, its jitter drawn here.
+
+pub mod backoff;
 
 use std::future::Future;
 use std::ops::Range;
