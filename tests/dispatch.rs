@@ -385,7 +385,10 @@ async fn a_lost_broker_connection_loses_nothing_and_recovers() {
     // delivery and the confirm makes its outcome unknown (released and sent again), which
     // is another test's subject and made this one count 21 under load.
     assert!(
-        eventually(Duration::from_secs(20), || async { env.count(doc! {}).await == 0 }).await,
+        eventually(Duration::from_secs(20), || async {
+            env.count(doc! {}).await == 0
+        })
+        .await,
         "the first record was removed before the cut"
     );
 

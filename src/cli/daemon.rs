@@ -10,10 +10,10 @@ use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::host::backoff::Backoff;
 use crate::config::Config;
 use crate::dispatch::Dispatcher;
 use crate::dispatch::publisher::Publisher;
+use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::operator::control::ControlState;
 use crate::service::health::Health;

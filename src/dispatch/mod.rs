@@ -51,9 +51,9 @@ use tokio::sync::Notify;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::host::backoff::Backoff;
 use crate::config::Config;
 use crate::dispatch::publisher::{PublishError, Publisher, SendOutcome};
+use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::record::TimeoutRecord;
 use crate::service::health::Health;

@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::held::Ready;
-use crate::host::backoff::Backoff;
 use crate::config::RetryConfig;
 use crate::dispatch::publisher::SendOutcome;
+use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::record::field;
 use crate::record::{TimeoutRecord, display_id};
