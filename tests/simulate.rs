@@ -13,7 +13,10 @@
 //! 0), `--seed S` (one seed, with its whole trace), `--replay FILE` (one scenario file),
 //! `--repeat K` (seeds run twice, default 4), `--no-shrink`, `--keep-going` (do not stop at the
 //! first failure), `--quiet`, `--allow NAME` (count the violations of invariant NAME instead of
-//! failing: to look past a known open defect).
+//! failing: to look past a known open defect), `--seed-limit SECS` (wall-clock seconds a run
+//! may take before it is named a hang and the runner stops, default 300 or
+//! `SIMULATE_SEED_LIMIT`), `--print-scenario S` (seed S's scenario as JSON, as a regression
+//! file holds it).
 #![allow(clippy::disallowed_methods)]
 
 mod sim;
@@ -21,11 +24,17 @@ mod sim;
 use std::path::{Path, PathBuf};
 use std::time::Instant as WallInstant;
 
-use sim::fleet::{Outcome, RunOptions, run};
+use sim::fleet::{Outcome, RunOptions, run_traced};
 use sim::swarm::{Scenario, shrink};
+use sim::trace::Trace;
 
 /// Seeds of a default run (`cargo test`): a few minutes on a loaded 2-core machine.
 const DEFAULT_SEEDS: u64 = 64;
+
+/// Wall-clock seconds one run may take before the runner names it a hang. A seed takes about
+/// a second in a debug build (the slowest seen, about 20); a run whose virtual clock stops
+/// while its tasks keep running (a busy loop) never ends.
+const DEFAULT_SEED_LIMIT_SECS: u64 = 300;
 
 #[derive(Debug)]
 struct Args {
@@ -38,6 +47,8 @@ struct Args {
     keep_going: bool,
     quiet: bool,
     allow: Vec<String>,
+    seed_limit: std::time::Duration,
+    print_scenario: Option<u64>,
 }
 
 fn args() -> Args {
@@ -54,6 +65,13 @@ fn args() -> Args {
         keep_going: false,
         quiet: false,
         allow: Vec::new(),
+        print_scenario: None,
+        seed_limit: std::time::Duration::from_secs(
+            std::env::var("SIMULATE_SEED_LIMIT")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(DEFAULT_SEED_LIMIT_SECS),
+        ),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -75,11 +93,61 @@ fn args() -> Args {
             "--keep-going" => a.keep_going = true,
             "--quiet" => a.quiet = true,
             "--allow" => a.allow.extend(it.next()),
+            "--print-scenario" => a.print_scenario = Some(num(&mut it)),
+            "--seed-limit" => a.seed_limit = std::time::Duration::from_secs(num(&mut it)),
             // What cargo's test runner may pass (`--nocapture`, a filter, ...): ignored.
             _ => {}
         }
     }
     a
+}
+
+/// Runs one scenario on a thread of its own and waits for it at most `limit` of wall-clock
+/// time. A run that does not end by then is a hang: its seed and the last events of its trace
+/// are printed and the runner exits with a failure (the stuck thread cannot be stopped, so no
+/// further run would be measured fairly).
+fn guarded(label: &str, s: &Scenario, opts: &RunOptions, limit: std::time::Duration) -> Outcome {
+    let trace = Trace::new(opts.keep_trace);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (scenario, options, handle) = (s.clone(), opts.clone(), trace.clone());
+    let spawned = std::thread::Builder::new()
+        .name(label.to_string())
+        .spawn(move || {
+            let _ = tx.send(run_traced(&scenario, options, handle));
+        });
+    if let Err(e) = spawned {
+        eprintln!("simulate: cannot start a thread for {label}: {e}");
+        std::process::exit(2);
+    }
+    match rx.recv_timeout(limit) {
+        Ok(outcome) => outcome,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            println!(
+                "FAILED {label}: hang: the run did not end within {} s of wall clock",
+                limit.as_secs()
+            );
+            println!(
+                "  knobs: {}",
+                serde_json::to_string(&s.knobs).unwrap_or_default()
+            );
+            let tail = trace.tail(60);
+            println!(
+                "  trace (last {} of {} events; the virtual clock stopped advancing or the run looped):",
+                tail.len(),
+                trace.events()
+            );
+            for l in tail {
+                println!("    {l}");
+            }
+            println!("simulate: stopped at the hang (1 failed)");
+            std::process::exit(1)
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            // The run panicked: its thread printed the panic.
+            println!("FAILED {label}: the run panicked");
+            std::process::exit(1)
+        }
+    }
 }
 
 fn regressions_dir() -> PathBuf {
@@ -116,9 +184,14 @@ fn report(label: &str, s: &Scenario, o: &Outcome, full: bool) {
 }
 
 /// Shrinks a failing scenario and writes it under `tests/sim/regressions/`.
-fn keep(s: &Scenario, invariant: &str, opts: &RunOptions) -> Option<PathBuf> {
+fn keep(
+    s: &Scenario,
+    invariant: &str,
+    opts: &RunOptions,
+    limit: std::time::Duration,
+) -> Option<PathBuf> {
     let (small, runs) = shrink(s, invariant, 60, |c| {
-        run(c, opts.clone())
+        guarded("a shrink candidate", c, opts, limit)
             .violation
             .map(|v| v.invariant.to_string())
     });
@@ -146,6 +219,13 @@ fn main() {
     let started = WallInstant::now();
     let (mut passed, mut failed) = (0u64, 0u64);
 
+    // A seed's scenario as a file would hold it (to keep a hang, which does not shrink).
+    if let Some(seed) = a.print_scenario {
+        let text = serde_json::to_string_pretty(&Scenario::draw(seed)).unwrap_or_default();
+        println!("{text}");
+        std::process::exit(0);
+    }
+
     // One scenario file, or one seed with its whole trace.
     if let Some(path) = &a.replay {
         let text = std::fs::read_to_string(path).unwrap_or_else(|e| {
@@ -156,14 +236,13 @@ fn main() {
             eprintln!("simulate: {} is not a scenario: {e}", path.display());
             std::process::exit(2)
         });
-        let o = run(
-            &s,
-            RunOptions {
-                keep_trace: true,
-                ..opts.clone()
-            },
-        );
-        report(&path.display().to_string(), &s, &o, true);
+        let label = path.display().to_string();
+        let full = RunOptions {
+            keep_trace: true,
+            ..opts.clone()
+        };
+        let o = guarded(&label, &s, &full, a.seed_limit);
+        report(&label, &s, &o, true);
         finish(
             u64::from(o.violation.is_none()),
             u64::from(o.violation.is_some()),
@@ -172,13 +251,11 @@ fn main() {
     }
     if let Some(seed) = a.seed {
         let s = Scenario::draw(seed);
-        let o = run(
-            &s,
-            RunOptions {
-                keep_trace: true,
-                ..opts.clone()
-            },
-        );
+        let full = RunOptions {
+            keep_trace: true,
+            ..opts.clone()
+        };
+        let o = guarded(&format!("seed {seed}"), &s, &full, a.seed_limit);
         if o.violation.is_none() && !a.quiet {
             for l in o.all.iter().flatten() {
                 println!("    {l}");
@@ -214,7 +291,7 @@ fn main() {
                 continue;
             }
         };
-        let o = run(&s, opts.clone());
+        let o = guarded(&path.display().to_string(), &s, &opts, a.seed_limit);
         if o.violation.is_some() {
             report(&path.display().to_string(), &s, &o, false);
             failed += 1;
@@ -230,7 +307,7 @@ fn main() {
     for seed in a.from..a.from.saturating_add(a.seeds) {
         let s = Scenario::draw(seed);
         let one = WallInstant::now();
-        let o = run(&s, opts.clone());
+        let o = guarded(&format!("seed {seed}"), &s, &opts, a.seed_limit);
         ran += 1;
         let took = one.elapsed().as_secs_f64();
         if took > 10.0 && !a.quiet {
@@ -241,7 +318,7 @@ fn main() {
         }
         let mut ok = o.violation.is_none();
         if ok && seed - a.from < a.repeat {
-            let again = run(&s, opts.clone());
+            let again = guarded(&format!("seed {seed} (again)"), &s, &opts, a.seed_limit);
             if again.trace_hash != o.trace_hash || again.events != o.events {
                 ok = false;
                 println!(
@@ -266,7 +343,7 @@ fn main() {
         if let Some(v) = &o.violation {
             println!("  replay: scripts/simulate.sh --seed {seed}");
             if a.shrink {
-                keep(&s, v.invariant, &opts);
+                keep(&s, v.invariant, &opts, a.seed_limit);
             }
         }
         if !a.keep_going {

@@ -439,7 +439,11 @@ async fn removal_attempts(
     let ids: Vec<Bson> = confirmed.iter().map(|(id, _)| id.clone()).collect();
     let mut backoff = Backoff::reconnect();
     loop {
-        if !lease.is_live(store.clock().now()) {
+        // "Does the lease still hold?" asks the latest the server's clock can read, here as
+        // for the wait below: with the midpoint here, a reading in between (live by the
+        // midpoint, over by the latest) made the wait zero and a delete that failed at once
+        // (connection refused) a busy loop (simulation seed 78).
+        if !lease.is_live(store.clock().latest()) {
             for (_, r) in confirmed {
                 tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
             }
@@ -473,7 +477,7 @@ async fn removal_attempts(
                 // Only while the lease still holds can a record that is gone have been deleted
                 // by this removal's own earlier attempt; after it ran out, a peer may have
                 // claimed, sent and deleted it.
-                let live = lease.is_live(store.clock().now());
+                let live = lease.is_live(store.clock().latest());
                 let gone = if short > 0 {
                     account_for_shortfall(store, &ids, confirmed, owner, short, live).await
                 } else {

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::invariants::{Checker, Expect, RecordInfo, Violation, without_locks};
 use super::models;
-use super::swarm::{FaultKind, RecordKind, Scenario, UNROUTABLE};
+use super::swarm::{ActionKind, FaultKind, RecordKind, Scenario, UNROUTABLE};
 use super::trace::Trace;
 
 /// Faults in force on one instance's wires.
@@ -272,14 +272,29 @@ impl Backend for Wire {
 
     fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
         let name = command.keys().next().cloned().unwrap_or_default();
+        let reads_clock = matches!(name.as_str(), "hello" | "isMaster" | "ismaster");
         let server = self.inner.command(command);
         let (world, instance) = (self.world.clone(), self.instance);
-        self.call("command", server, move |r| {
+        let call = self.call("command", server, move |r| {
             world.trace.event(
                 world.now_ms(),
                 &format!("i{instance}"),
                 format!("command {name}: {}", if r.is_ok() { "ok" } else { "error" }),
             );
+        });
+        if !reads_clock {
+            return call;
+        }
+        // The checker learns when the instance's latest reading of the server clock was
+        // asked for (a step back after it is one the instance cannot see).
+        let world = self.world.clone();
+        Box::pin(async move {
+            let sent = world.now_ms();
+            let r = call.await;
+            if r.is_ok() {
+                world.checker().clock_read(instance, sent);
+            }
+            r
         })
     }
 
@@ -573,6 +588,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
             expect,
             fields: without_locks(&doc),
             inserted: false,
+            spec: n,
         };
         out.push((doc, info, r.insert_at_ms));
     }
@@ -590,6 +606,13 @@ pub struct RunOptions {
 
 /// Runs one scenario to its end (or to its first broken invariant).
 pub fn run(s: &Scenario, opts: RunOptions) -> Outcome {
+    let trace = Trace::new(opts.keep_trace);
+    run_traced(s, opts, trace)
+}
+
+/// [`run`] into a trace the caller holds: a runner that gives up on a run that does not end
+/// (a hang) still has its last events.
+pub fn run_traced(s: &Scenario, opts: RunOptions, trace: Trace) -> Outcome {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -603,7 +626,7 @@ pub fn run(s: &Scenario, opts: RunOptions) -> Outcome {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
     let metrics = recorder.handle();
     let _local = metrics::set_default_local_recorder(&recorder);
-    let outcome = rt.block_on(run_in(s, opts, metrics));
+    let outcome = rt.block_on(run_in(s, opts, trace, metrics));
     // The instances' leftover tasks (those of killed instances wait forever) go with it.
     rt.shutdown_background();
     outcome
@@ -612,10 +635,10 @@ pub fn run(s: &Scenario, opts: RunOptions) -> Outcome {
 async fn run_in(
     s: &Scenario,
     opts: RunOptions,
+    trace: Trace,
     metrics: metrics_exporter_prometheus::PrometheusHandle,
 ) -> Outcome {
     let config = Arc::new(config_of(s));
-    let trace = Trace::new(opts.keep_trace);
     let opts = &opts;
     let (timeouts, parked) = (
         config.mongodb.collection.clone(),
@@ -639,6 +662,7 @@ async fn run_in(
         timeouts: timeouts.clone(),
         parked: parked.clone(),
     });
+    let decoding = timeoutd::record::Decoding::from(config.mongodb.time_encoding);
     let mut pending = Vec::new();
     for (doc, info, at) in documents(s, &config) {
         world.checker().add_record(info);
@@ -703,6 +727,7 @@ async fn run_in(
         Insert(Document),
         Start(usize),
         Fault(FaultKind),
+        Act(ActionKind),
         Heal,
     }
     let mut steps: Vec<(u64, u32, Step)> = Vec::new();
@@ -714,6 +739,9 @@ async fn run_in(
     }
     for f in &s.faults {
         steps.push((f.at_ms, 2, Step::Fault(f.kind.clone())));
+    }
+    for a in &s.actions {
+        steps.push((a.at_ms, 2, Step::Act(a.kind.clone())));
     }
     steps.push((s.faults_end_ms, 3, Step::Heal));
     steps.sort_by_key(|(at, order, _)| (*at, *order));
@@ -747,6 +775,7 @@ async fn run_in(
                 trace.event(now, "fault", format!("{kind:?}"));
                 apply(&world, &instances, &kind);
             }
+            Step::Act(kind) => operate(&world, &kind, decoding),
             Step::Heal => {
                 trace.event(now, "sim", "faults stop");
                 healed_at = Some(now);
@@ -875,6 +904,85 @@ fn readiness(world: &Arc<World>, instances: &[Option<Instance>], since_ms: i64, 
     }
 }
 
+/// The operator's action, as `timeoutd reschedule` and `timeoutd cancel` write it (a record
+/// only while it is free, and only with the `Time` that was read), landing at once: the
+/// checker learns the record's new due instant, or that it was cancelled, at the instant it
+/// happens.
+fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::Decoding) {
+    use timeoutd::store::lease;
+    let (ActionKind::Reschedule { record, .. } | ActionKind::Cancel { record }) = kind;
+    let at = world.now_ms();
+    let Some((k, id)) = world.checker().record_by_spec(*record) else {
+        return;
+    };
+    let Some(doc) = models::doc(&world.mongo, &world.timeouts, &id) else {
+        world
+            .trace
+            .event(at, "op", format!("{kind:?}: {k} is not there"));
+        return;
+    };
+    let now = bson::DateTime::from_millis(models::server_ms(&world.mongo));
+    let time = doc.get("Time").cloned().unwrap_or(Bson::Null);
+    let free = lease::claimable(now);
+    let (op, new_due) = match kind {
+        ActionKind::Reschedule { by_ms, .. } => {
+            let Ok(rec) = timeoutd::record::TimeoutRecord::decode(&doc, decoding) else {
+                return;
+            };
+            let due = rec.due.timestamp_millis().saturating_add(*by_ms);
+            let new_time = match time {
+                Bson::DateTime(_) => Bson::DateTime(bson::DateTime::from_millis(due)),
+                _ => timeoutd::record::encode_time(
+                    bson::DateTime::from_millis(due),
+                    TimeEncoding::DotnetTicks,
+                ),
+            };
+            let filter = lease::all_of([doc! { "_id": id.clone(), "Time": time }, free]);
+            let update = doc! { "$set": { "Time": new_time } };
+            (
+                Op::Update {
+                    filter,
+                    update,
+                    many: false,
+                    upsert: false,
+                },
+                Some(due),
+            )
+        }
+        ActionKind::Cancel { .. } => (
+            Op::Delete {
+                filter: lease::all_of([doc! { "_id": id.clone() }, free]),
+                many: false,
+            },
+            None,
+        ),
+    };
+    let done = match models::operate(&world.mongo, &world.timeouts, &op) {
+        Ok(Reply::Written(w)) => w.modified + w.deleted > 0,
+        _ => false,
+    };
+    world.trace.event(
+        at,
+        "op",
+        format!(
+            "{kind:?}: {k} {}",
+            if done { "done" } else { "left (leased)" }
+        ),
+    );
+    if !done {
+        return;
+    }
+    match new_due {
+        Some(due) => {
+            let fields = models::doc(&world.mongo, &world.timeouts, &id)
+                .map(|d| without_locks(&d))
+                .unwrap_or_default();
+            world.checker().rescheduled(&k, due, fields);
+        }
+        None => world.checker().cancelled(&k),
+    }
+}
+
 /// Applies one fault.
 fn apply(world: &Arc<World>, instances: &[Option<Instance>], kind: &FaultKind) {
     let now = Instant::now();
@@ -937,6 +1045,10 @@ fn apply(world: &Arc<World>, instances: &[Option<Instance>], kind: &FaultKind) {
             }
         }
         FaultKind::MongoModel { name, arg, for_ms } => {
+            if name == "clock_step" {
+                let at = world.now_ms();
+                world.checker().server_step(at, *arg);
+            }
             models::mongo_fault(&world.mongo, name, *arg, *for_ms)
         }
         FaultKind::RabbitModel { name, arg, for_ms } => {

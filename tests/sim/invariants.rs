@@ -4,7 +4,7 @@
 //!
 //! What is checked (the first broken one ends the run):
 //! - `left-unsent`: a record leaves `Timeouts` only after a confirmed, routed publish of it, or
-//!   into the parked collection (the simulation runs no operator cancels);
+//!   into the parked collection, or by the operator's cancel;
 //! - `not-done`: once faults stop, every ordinary record is delivered or parked, every
 //!   unroutable one parked, within [`crate::sim::swarm::Scenario::liveness_bound_ms`] (hostile
 //!   ones may also stay, unschedulable);
@@ -12,7 +12,9 @@
 //!   by the server clock, to an owner another instance took;
 //!   (a publish by an instance paused within the last lease is counted, not failed: a pause
 //!   between the lease check and the write lets any lease run out, and no client can tell);
-//! - `early`: nothing reaches the broker before its due instant by the server clock;
+//! - `early`: nothing reaches the broker before its due instant by the server clock, less
+//!   any step back of the server clock since the instance last asked for a reading (a step
+//!   it cannot see: `stolen-lease` allows the same);
 //! - `foreign-write`: timeoutd writes no field of a record but `Locked`, `LockedBy`,
 //!   `LockExpiresAt` (each write on `Timeouts` is checked, and each document's other fields
 //!   against what was inserted);
@@ -63,6 +65,8 @@ pub struct RecordInfo {
     /// as BSON bytes, where a NaN equals itself).
     pub fields: Document,
     pub inserted: bool,
+    /// Its index in the scenario's records (the operator's actions name it so).
+    pub spec: usize,
 }
 
 /// The key of an `_id` in maps.
@@ -106,6 +110,11 @@ pub struct Checker {
     pauses: HashMap<usize, Vec<(u64, u64)>>,
     /// `[dispatch] lock_lease` in ms.
     pub lease_ms: u64,
+    /// Steps of the server clock: (virtual ms, the step in ms).
+    server_steps: Vec<(u64, i64)>,
+    /// When each instance sent the `hello` of its latest reading of the server clock
+    /// (virtual ms).
+    clock_read: HashMap<usize, u64>,
     pub violation: Option<Violation>,
     /// Invariants whose violations are counted (in `stats`) instead of ending the run: a
     /// known open defect, so that a run can look past it (`--allow NAME`).
@@ -175,6 +184,59 @@ impl Checker {
             p.iter()
                 .any(|(from, until)| *from <= at_ms && *until + self.lease_ms >= at_ms)
         })
+    }
+
+    /// The server clock stepped by `ms` at `at_ms`.
+    pub fn server_step(&mut self, at_ms: u64, ms: i64) {
+        self.server_steps.push((at_ms, ms));
+    }
+
+    /// `instance` got a reading of the server clock from a `hello` sent at `sent_ms`.
+    pub fn clock_read(&mut self, instance: usize, sent_ms: u64) {
+        let latest = self.clock_read.entry(instance).or_default();
+        *latest = (*latest).max(sent_ms);
+    }
+
+    /// How far the server clock stepped back since `instance`'s latest reading was asked
+    /// for: a step no client can see until it reads the clock again. Up to that much, an
+    /// instance that decides by its last reading is early (or takes a lease that has some time
+    /// left) by the server clock through no fault of its own; with readings every few seconds
+    /// (the monitor's), that is all an NTP step back on the database's host can cost.
+    fn unseen_step_back(&self, instance: usize) -> i64 {
+        let since = self.clock_read.get(&instance).copied().unwrap_or(0);
+        self.server_steps
+            .iter()
+            .filter(|(at, step)| *at >= since && *step < 0)
+            .map(|(_, step)| -step)
+            .sum()
+    }
+
+    /// The key and `_id` of the record made from the scenario's record `spec`.
+    pub fn record_by_spec(&self, spec: usize) -> Option<(String, Bson)> {
+        self.records
+            .iter()
+            .find(|(_, info)| info.spec == spec)
+            .map(|(k, info)| (k.clone(), info.id.clone()))
+    }
+
+    /// The operator moved `record`'s `Time` (`timeoutd reschedule`): from now on it is due at
+    /// `due_ms` and stored with `fields`.
+    pub fn rescheduled(&mut self, record: &str, due_ms: i64, fields: Document) {
+        self.bump("rescheduled");
+        if let Some(info) = self.records.get_mut(record) {
+            info.due_ms = Some(due_ms);
+            info.fields = fields;
+        }
+    }
+
+    /// The operator deleted `record` (`timeoutd cancel`): it leaves `Timeouts` unsent, and
+    /// has no end to reach.
+    pub fn cancelled(&mut self, record: &str) {
+        self.bump("cancelled");
+        if let Some(info) = self.records.get_mut(record) {
+            info.expect = Expect::Any;
+        }
+        self.present.remove(record);
     }
 
     pub fn killed(&mut self, instance: usize) {
@@ -257,11 +319,15 @@ impl Checker {
         server_ms: i64,
     ) {
         self.bump("publishes");
+        let unseen = self.unseen_step_back(instance);
+        if unseen > 0 {
+            self.bump("publishes-after-unseen-step-back");
+        }
         let Some(info) = self.records.get(record) else {
             return;
         };
         if let Some(due) = info.due_ms
-            && server_ms < due
+            && server_ms + unseen < due
         {
             let d = format!(
                 "instance {instance} published {record} at server time {server_ms}, {} ms before its due instant {due}",
@@ -276,7 +342,7 @@ impl Checker {
             .and_then(Bson::as_datetime)
             .map(|d| d.timestamp_millis());
         if let (Some(owner), Some(expires)) = (owner, expires)
-            && expires > server_ms
+            && expires > server_ms + unseen
             && let Some(&holder) = self.owners.get(&owner)
             && holder != instance
         {

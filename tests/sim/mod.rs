@@ -119,6 +119,15 @@ pub mod models {
         m.server_ms()
     }
 
+    /// One operation of the operator, landing at once ([`MongoModel::run_direct`]).
+    pub fn operate(
+        m: &Mongo,
+        collection: &str,
+        op: &timeoutd::store::backend::Op,
+    ) -> Result<timeoutd::store::backend::Reply, timeoutd::store::backend::MongoError> {
+        m.run_direct(collection, op)
+    }
+
     /// Inserts a record as a service would (not through any instance's wire).
     pub fn insert(m: &Mongo, collection: &str, doc: Document) {
         let _ = m.insert_direct(collection, vec![doc]);

@@ -1728,6 +1728,15 @@ impl MongoModel {
         Ok(())
     }
 
+    /// Runs one single-document operation at once and atomically, with no fault (the
+    /// simulation's operator: `timeoutd reschedule` or `timeoutd cancel` of one record, its
+    /// write landing at one instant the checker sees).
+    pub fn run_direct(&self, collection: &str, op: &Op) -> Result<Reply, MongoError> {
+        let mut s = self.lock();
+        let op_id = s.next_op_id();
+        s.execute_atomic(&self.inner, "operator", op_id, collection, op)
+    }
+
     // -- serving ------------------------------------------------------------------------------
 
     fn submit(

@@ -144,6 +144,23 @@ pub enum FaultKind {
     RabbitModel { name: String, arg: i64, for_ms: u64 },
 }
 
+/// What an operator does to one record (by its index in [`Scenario::records`]), as
+/// `timeoutd reschedule` and `timeoutd cancel` do: only while the record is free, and only
+/// if its `Time` is still what was read.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum ActionKind {
+    /// Moves the record's due instant by `by_ms` (negative: earlier).
+    Reschedule { record: usize, by_ms: i64 },
+    /// Deletes the record.
+    Cancel { record: usize },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Action {
+    pub at_ms: u64,
+    pub kind: ActionKind,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Fault {
     pub at_ms: u64,
@@ -162,6 +179,10 @@ pub struct Scenario {
     pub destinations: Vec<String>,
     pub records: Vec<RecordSpec>,
     pub faults: Vec<Fault>,
+    /// The operator's reschedules and cancels (none in scenario files written before they
+    /// were drawn).
+    #[serde(default)]
+    pub actions: Vec<Action>,
     /// When the faults stop (every fault has ended by then); the liveness phase follows.
     pub faults_end_ms: u64,
 }
@@ -246,7 +267,7 @@ impl Scenario {
         let n_records = d.range(1, 120) as usize;
         let hostile_p = if d.chance(0.3) { 0.15 } else { 0.0 };
         let unroutable_p = if d.chance(0.3) { 0.1 } else { 0.0 };
-        let records = (0..n_records)
+        let records: Vec<RecordSpec> = (0..n_records)
             .map(|_| {
                 let kind = if d.chance(hostile_p) {
                     RecordKind::Hostile { seed: d.next() }
@@ -335,6 +356,7 @@ impl Scenario {
             faults.push(Fault { at_ms, kind });
         }
         faults.sort_by_key(|f| f.at_ms);
+        let actions = Self::draw_actions(seed, records.len(), faults_end_ms);
         Scenario {
             seed,
             knobs,
@@ -343,8 +365,40 @@ impl Scenario {
             destinations,
             records,
             faults,
+            actions,
             faults_end_ms,
         }
+    }
+
+    /// The operator's actions of `seed`, from a generator of their own (so that the rest of
+    /// a seed's world is what it was before actions were drawn): in two seeds of five, a few
+    /// reschedules (mostly later, by up to 20 s: a record read before the move must not be
+    /// sent at its old instant) and cancels, while faults are on.
+    fn draw_actions(seed: u64, records: usize, faults_end_ms: u64) -> Vec<Action> {
+        let mut d = Draw::new(seed ^ 0x0A_C710_4500);
+        if records == 0 || !d.chance(0.4) {
+            return Vec::new();
+        }
+        let n = d.range(1, (records as u64 / 4).max(1));
+        let mut actions: Vec<Action> = (0..n)
+            .map(|_| {
+                let record = d.range(0, records as u64 - 1) as usize;
+                let kind = if d.chance(0.8) {
+                    ActionKind::Reschedule {
+                        record,
+                        by_ms: d.range(0, 23_000) as i64 - 3_000,
+                    }
+                } else {
+                    ActionKind::Cancel { record }
+                };
+                Action {
+                    at_ms: d.range(0, faults_end_ms),
+                    kind,
+                }
+            })
+            .collect();
+        actions.sort_by_key(|a| a.at_ms);
+        actions
     }
 
     /// The bound on the liveness phase: once faults stop, every record is delivered or
@@ -378,6 +432,7 @@ impl Scenario {
             .map(|r| r.due_ms.max(0) as u64)
             .max()
             .unwrap_or(0)
+            .saturating_add(self.rescheduled_later_ms())
             .saturating_sub(self.faults_end_ms);
         let calls = 10 * (k.op_timeout_ms + k.publish_timeout_ms + k.connect_timeout_ms);
         latest_due + 2 * k.lease_ms + reaper + retries + rate_ms + 10 * k.poll_ms + calls + 30_000
@@ -385,6 +440,17 @@ impl Scenario {
 }
 
 impl Scenario {
+    /// The most any record's due instant is moved later by the operator's reschedules.
+    fn rescheduled_later_ms(&self) -> u64 {
+        let mut by_record: std::collections::BTreeMap<usize, i64> = Default::default();
+        for a in &self.actions {
+            if let ActionKind::Reschedule { record, by_ms } = a.kind {
+                *by_record.entry(record).or_default() += by_ms;
+            }
+        }
+        by_record.values().copied().max().unwrap_or(0).max(0) as u64
+    }
+
     /// The smaller scenarios to try in place of this failing one, most promising first:
     /// without all faults, without each fault, without each half of the records, without
     /// each record (when few are left), without the last instance.
@@ -398,6 +464,17 @@ impl Scenario {
             for i in 0..self.faults.len() {
                 let mut s = self.clone();
                 s.faults.remove(i);
+                out.push(s);
+            }
+        }
+        if !self.actions.is_empty() {
+            out.push(Scenario {
+                actions: Vec::new(),
+                ..self.clone()
+            });
+            for i in 0..self.actions.len() {
+                let mut s = self.clone();
+                s.actions.remove(i);
                 out.push(s);
             }
         }
@@ -430,7 +507,10 @@ impl Scenario {
 
     /// A size to compare shrunk scenarios by.
     pub fn size(&self) -> usize {
-        self.faults.len() * 4 + self.records.len() + self.instances.len() * 2
+        self.faults.len() * 4
+            + self.actions.len() * 2
+            + self.records.len()
+            + self.instances.len() * 2
     }
 }
 
