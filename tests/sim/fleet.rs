@@ -261,12 +261,61 @@ impl Wire {
     }
 }
 
+/// A take in flight on a wire: unless it is seen to succeed, its drop tells the checker
+/// that the instance did not see it (see the `orphaned-lease` invariant).
+struct TakeInFlight {
+    world: Arc<World>,
+    instance: usize,
+    owner: Option<String>,
+}
+
+impl Drop for TakeInFlight {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.take() {
+            let at = self.world.now_ms();
+            self.world.checker().take_unseen(self.instance, owner, at);
+        }
+    }
+}
+
+/// The fresh owner a write leases records to (`$set: {LockedBy: owner}`, not the nil GUID).
+fn leases_to(op: &Op) -> Option<String> {
+    let Op::Update { update, .. } = op else {
+        return None;
+    };
+    let owner = update.get_document("$set").ok()?.get("LockedBy")?;
+    super::invariants::uuid_text(owner).filter(|o| o.bytes().any(|b| b != b'0'))
+}
+
 impl Backend for Wire {
     fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+        let take = (collection == self.world.timeouts)
+            .then(|| leases_to(&op))
+            .flatten();
+        if collection == self.world.timeouts {
+            self.world.checker().asked(self.instance, &op);
+        }
         let server = self.inner.run(collection, op.clone());
         let (world, instance, coll) = (self.world.clone(), self.instance, collection.to_string());
-        self.call(op.name(), server, move |r| {
+        let call = self.call(op.name(), server, move |r| {
             world.after_call(instance, &coll, &op, r)
+        });
+        let Some(owner) = take else {
+            return call;
+        };
+        let in_flight = TakeInFlight {
+            world: self.world.clone(),
+            instance,
+            owner: Some(owner),
+        };
+        Box::pin(async move {
+            // The whole guard moves in (not only the field the block writes).
+            let mut in_flight = in_flight;
+            let r = call.await;
+            if r.is_ok() {
+                in_flight.owner = None;
+            }
+            r
         })
     }
 

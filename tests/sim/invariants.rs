@@ -21,6 +21,11 @@
 //! - `ready-while-stuck` (once faults stopped, without send-rate limits): no live instance
 //!   reports ready while a record it could claim has been claimable, unleased, for longer
 //!   than its progress window (`stall_after`) plus two monitor intervals and a poll;
+//! - `orphaned-lease`: a take (the compare-and-swap that leases records to a fresh owner)
+//!   whose answer the instance did not see succeed (dropped by a deadline or shutdown, or
+//!   failed) and that leased records is followed by the instance asking to free that owner's
+//!   records, unless it was killed (a dropped take must not leave records leased for a
+//!   lease);
 //! - `uncounted-duplicate`: every routed delivery after a record's first is counted by the
 //!   fleet's lease-lost or duplicate series, except those after a delivery by an instance that
 //!   was killed (read through the run's own metrics recorder at the end).
@@ -115,6 +120,15 @@ pub struct Checker {
     /// When each instance sent the `hello` of its latest reading of the server clock
     /// (virtual ms).
     clock_read: HashMap<usize, u64>,
+    /// Takes (a compare-and-swap that leased records to a fresh owner) whose answer the
+    /// instance did not see succeed (the call was dropped, or failed): (instance, owner,
+    /// virtual ms).
+    unseen_takes: Vec<(usize, String, u64)>,
+    /// Records each take's write leased, by owner (from the server's answer).
+    leased_by: HashMap<String, u64>,
+    /// (instance, owner) pairs of every release an instance asked for (whether or not it
+    /// reached the server).
+    releases: BTreeSet<(usize, String)>,
     pub violation: Option<Violation>,
     /// Invariants whose violations are counted (in `stats`) instead of ending the run: a
     /// known open defect, so that a run can look past it (`--allow NAME`).
@@ -239,13 +253,39 @@ impl Checker {
         self.present.remove(record);
     }
 
+    /// `instance` did not see its take under `owner` succeed: it dropped the call or got an
+    /// error. Whatever the server did, the instance must free what the take may have leased.
+    pub fn take_unseen(&mut self, instance: usize, owner: String, at_ms: u64) {
+        self.bump("takes-unseen");
+        self.unseen_takes.push((instance, owner, at_ms));
+    }
+
+    /// `instance` asks for `op` on `Timeouts` (before any fault decides its fate): a write
+    /// that frees records (`Locked: false`) names the owners it frees in its filter.
+    pub fn asked(&mut self, instance: usize, op: &Op) {
+        let (Op::Update { filter, update, .. } | Op::FindOneAndUpdate { filter, update, .. }) = op
+        else {
+            return;
+        };
+        let frees = update
+            .get_document("$set")
+            .is_ok_and(|set| set.get("Locked") == Some(&Bson::Boolean(false)));
+        if !frees {
+            return;
+        }
+        let mut owners = Vec::new();
+        binaries(&Bson::Document(filter.clone()), &mut owners);
+        for owner in owners {
+            self.releases.insert((instance, owner));
+        }
+    }
+
     pub fn killed(&mut self, instance: usize) {
         self.killed.insert(instance);
     }
 
     /// A call from `instance` to MongoDB and its answer.
     pub fn call(&mut self, at_ms: u64, instance: usize, collection: &str, op: &Op, reply: &Reply) {
-        let _ = reply;
         if collection != self.timeouts {
             return;
         }
@@ -292,6 +332,9 @@ impl Checker {
                     && name == "LockedBy"
                     && let Some(owner) = uuid_text(value)
                 {
+                    if let Reply::Written(w) = reply {
+                        *self.leased_by.entry(owner.clone()).or_default() += w.modified;
+                    }
                     self.owners.entry(owner).or_insert(instance);
                 }
             }
@@ -504,6 +547,28 @@ impl Checker {
             );
             self.fail(at_ms, "not-done", d);
         }
+        // Orphaned leases: a take the instance did not see succeed, which leased records, and
+        // which the instance never asked to free (a second before the end at the latest, so
+        // that a release started by the shutdown's last drop has had its turn).
+        let orphaned: Vec<String> = self
+            .unseen_takes
+            .iter()
+            .filter(|(instance, owner, at)| {
+                !self.killed.contains(instance)
+                    && *at + 1_000 <= at_ms
+                    && self.leased_by.get(owner).is_some_and(|n| *n > 0)
+                    && !self.releases.contains(&(*instance, owner.clone()))
+            })
+            .map(|(instance, owner, at)| format!("instance {instance}, owner {owner}, at {at} ms"))
+            .collect();
+        if !orphaned.is_empty() {
+            let d = format!(
+                "{} take(s) whose answer the instance did not see succeed leased records it never freed: {}",
+                orphaned.len(),
+                orphaned.join("; ")
+            );
+            self.fail(at_ms, "orphaned-lease", d);
+        }
         // Duplicates: deliveries after the first, except after a killed instance's delivery.
         let mut uncounted = 0u64;
         let mut total = 0u64;
@@ -533,6 +598,16 @@ impl Checker {
 }
 
 /// A GUID stored as Binary subtype 3 or 4, as text (byte order as stored: only compared).
+/// Every 16-byte binary in `value` (owners in a filter, in either GUID form), as
+/// [`uuid_text`] writes it.
+fn binaries(value: &Bson, out: &mut Vec<String>) {
+    match value {
+        Bson::Document(d) => d.values().for_each(|v| binaries(v, out)),
+        Bson::Array(a) => a.iter().for_each(|v| binaries(v, out)),
+        v => out.extend(uuid_text(v).filter(|_| matches!(v, Bson::Binary(_)))),
+    }
+}
+
 pub fn uuid_text(value: &Bson) -> Option<String> {
     match value {
         Bson::Binary(b) if b.bytes.len() == 16 => {
