@@ -21,6 +21,7 @@ pub const SKIPPED_REASONS: &[&str] = &[
     "margin",
     "unsendable",
     "paused",
+    "rate_limit",
 ];
 /// `timeoutd_parked_total{reason}`.
 pub const PARKED_REASONS: &[&str] = &[
@@ -38,6 +39,7 @@ pub const RELEASED_REASONS: &[&str] = &[
     "publish_failed",
     "supervisor",
     "paused",
+    "rate_limit",
 ];
 /// `timeoutd_held_back_total{reason}`.
 pub const HELD_BACK_REASONS: &[&str] = &["paused", "rate_limit"];
