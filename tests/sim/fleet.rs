@@ -451,6 +451,22 @@ impl Link for WLink {
                 return Err(LinkError("simulated link lost".into()));
             }
             let record = wan.world.published(wan.instance, &rk, &properties);
+            // A content header frame past the connection's frame_max makes the broker close
+            // the connection, and every confirm on it is lost.
+            let header = super::rabbit::header_frame_len(&properties);
+            if header > inner.frame_max() as usize {
+                let at = wan.world.now_ms();
+                wan.world.checker().broken(
+                    at,
+                    "frame-too-large",
+                    format!(
+                        "instance {} sent a {header}-byte header frame of {} on a connection whose frame_max is {}",
+                        wan.instance,
+                        record.as_deref().unwrap_or("?"),
+                        inner.frame_max()
+                    ),
+                );
+            }
             let confirm = inner.publish(&rk, body, properties, mandatory).await?;
             let (world, instance, ctl) = (wan.world.clone(), wan.instance, wan.ctl.clone());
             // The broker's answer, seen by the checker when the broker gives it; then
@@ -564,6 +580,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
     let decoding = timeoutd::record::Decoding::from(encoding);
     let mut out = Vec::new();
     for (n, r) in s.records.iter().enumerate() {
+        let mut park_reasons = None;
         let due_ms = s.start_unix_ms + r.due_ms;
         let due = bson::DateTime::from_millis(due_ms);
         let (doc, expect) = match &r.kind {
@@ -593,7 +610,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
                     "Destination": destination.clone(),
                     "ProcessManagerId": timeoutd::record::uuid_bson(pm),
                     "Time": time,
-                    "Headers": { "Tenant": "sim" },
+                    "Headers": headers(r.header_bytes),
                     "Locked": false,
                     "LockedBy": timeoutd::record::uuid_bson(uuid::Uuid::nil()),
                     "LockExpiresAt": Bson::Null,
@@ -603,6 +620,17 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
                 } else {
                     Expect::DeliveredOrParked
                 };
+                // The reasons it may be parked for: a queue nothing is bound to returns it;
+                // any queue may nack it; headers past the smallest node's frame make it
+                // unsendable there.
+                let mut reasons = vec!["nacked"];
+                if destination == UNROUTABLE {
+                    reasons.push("unroutable");
+                }
+                if r.header_bytes > 0 {
+                    reasons.push("unsendable");
+                }
+                park_reasons = Some(reasons);
                 (doc, expect)
             }
             RecordKind::Hostile { seed } => {
@@ -638,10 +666,20 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
             fields: without_locks(&doc),
             inserted: false,
             spec: n,
+            park_reasons,
         };
         out.push((doc, info, r.insert_at_ms));
     }
     out
+}
+
+/// A record's stored `Headers`, padded by `pad` bytes.
+fn headers(pad: u32) -> Document {
+    let mut h = doc! { "Tenant": "sim" };
+    if pad > 0 {
+        h.insert("Pad", "x".repeat(pad as usize));
+    }
+    h
 }
 
 /// Options of one run.

@@ -15,6 +15,11 @@
 //! - `early`: nothing reaches the broker before its due instant by the server clock, less
 //!   any step back of the server clock since the instance last asked for a reading (a step
 //!   it cannot see: `stolen-lease` allows the same);
+//! - `wrong-park`: a record is parked only for a reason it was generated for (`unroutable`
+//!   for a queue nothing is bound to, `unsendable` for headers past a node's frame, `nacked`
+//!   for any; hostile ones for any reason);
+//! - `frame-too-large`: no instance sends a content header frame past its connection's
+//!   `frame_max` (the broker would close the connection and lose every confirm on it);
 //! - `foreign-write`: timeoutd writes no field of a record but `Locked`, `LockedBy`,
 //!   `LockExpiresAt` (each write on `Timeouts` is checked, and each document's other fields
 //!   against what was inserted);
@@ -72,6 +77,8 @@ pub struct RecordInfo {
     pub inserted: bool,
     /// Its index in the scenario's records (the operator's actions name it so).
     pub spec: usize,
+    /// The reasons it may be parked for (`None`: any, a hostile record).
+    pub park_reasons: Option<Vec<&'static str>>,
 }
 
 /// The key of an `_id` in maps.
@@ -129,6 +136,8 @@ pub struct Checker {
     /// (instance, owner) pairs of every release an instance asked for (whether or not it
     /// reached the server).
     releases: BTreeSet<(usize, String)>,
+    /// Parked records whose reason was checked.
+    park_checked: BTreeSet<String>,
     pub violation: Option<Violation>,
     /// Invariants whose violations are counted (in `stats`) instead of ending the run: a
     /// known open defect, so that a run can look past it (`--allow NAME`).
@@ -427,6 +436,24 @@ impl Checker {
                 }
             }
             now.insert(k);
+        }
+        for doc in parked {
+            let Some(id) = doc.get("_id") else { continue };
+            let k = key(id);
+            if !self.park_checked.insert(k.clone()) {
+                continue;
+            }
+            let reason = doc.get_str("reason").unwrap_or("");
+            if let Some(info) = self.records.get(&k)
+                && let Some(allowed) = &info.park_reasons
+                && !allowed.contains(&reason)
+            {
+                let d = format!(
+                    "record {k} parked for {reason:?}, which it was not generated for (may be: {allowed:?}): {}",
+                    super::trace::short(&doc.get_str("error").unwrap_or(""), 200)
+                );
+                self.fail(at_ms, "wrong-park", d);
+            }
         }
         let parked: BTreeSet<String> = parked
             .iter()

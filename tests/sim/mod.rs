@@ -89,6 +89,9 @@ pub mod models {
             ..Behaviour::default()
         };
         let model = RabbitModel::new(&NODES, seed, b);
+        for (node, frame_max) in NODES.iter().zip(&k.node_frame_max) {
+            model.set_frame_max(node, *frame_max);
+        }
         for q in queues {
             model.declare_queue(q);
         }

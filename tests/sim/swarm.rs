@@ -78,6 +78,11 @@ pub struct Knobs {
     /// RabbitMQ model: the chance an ack waits for a multiple-ack, and of a nack.
     pub rabbit_ack_multiple: f64,
     pub rabbit_nack_rate: f64,
+    /// The `frame_max` each RabbitMQ node offers, by node (empty: RabbitMQ's default on
+    /// every node). A cluster whose nodes differ makes a failover change the limit a wave
+    /// must be built against.
+    #[serde(default)]
+    pub node_frame_max: Vec<u32>,
 }
 
 /// One instance of timeoutd: when it starts and how wrong its host's clock is.
@@ -106,6 +111,10 @@ pub struct RecordSpec {
     pub due_ms: i64,
     /// Inserted this long after the start (0: before any instance starts).
     pub insert_at_ms: u64,
+    /// Bytes of padding in its stored `Headers` (0: none): near the smaller node's
+    /// `frame_max`, a record fits one node's frames and not the other's.
+    #[serde(default)]
+    pub header_bytes: u32,
 }
 
 /// A fault, at an instant of the simulation.
@@ -242,6 +251,7 @@ impl Scenario {
             server_drift_ppm: *d.pick(&[0, 0, 0, 100, -100, 2_000]),
             rabbit_ack_multiple: *d.pick(&[0.0, 0.3, 0.8]),
             rabbit_nack_rate: *d.pick(&[0.0, 0.0, 0.0, 0.02]),
+            node_frame_max: Vec::new(),
         };
         let mut knobs = knobs;
         // What validation asks: a lease longer than the margin, a poll and the look-ahead.
@@ -286,6 +296,7 @@ impl Scenario {
                     } else {
                         d.range(0, faults_end_ms)
                     },
+                    header_bytes: 0,
                 }
             })
             .collect();
@@ -357,6 +368,8 @@ impl Scenario {
         }
         faults.sort_by_key(|f| f.at_ms);
         let actions = Self::draw_actions(seed, records.len(), faults_end_ms);
+        let mut records = records;
+        Self::draw_frames(seed, &mut knobs, &mut records);
         Scenario {
             seed,
             knobs,
@@ -367,6 +380,23 @@ impl Scenario {
             faults,
             actions,
             faults_end_ms,
+        }
+    }
+
+    /// In two seeds of five, a cluster whose second node offers a small `frame_max`, and
+    /// records with headers about its size (some fit it, some only the first node's): from a
+    /// generator of their own, as [`Scenario::draw_actions`].
+    fn draw_frames(seed: u64, knobs: &mut Knobs, records: &mut [RecordSpec]) {
+        let mut d = Draw::new(seed ^ 0xF4A3_E3A8);
+        if !d.chance(0.4) {
+            return;
+        }
+        let small = *d.pick(&[4_096u32, 8_192, 16_384]);
+        knobs.node_frame_max = vec![131_072, small];
+        for r in records.iter_mut() {
+            if matches!(r.kind, RecordKind::Ordinary { .. }) && d.chance(0.3) {
+                r.header_bytes = d.range(u64::from(small / 2), u64::from(small) * 2) as u32;
+            }
         }
     }
 
