@@ -134,6 +134,11 @@ pub fn servable_offsets(values: &[Bson]) -> Vec<i32> {
         .filter_map(|v| match v {
             Bson::Int32(o) => Some(i64::from(*o)),
             Bson::Int64(o) => Some(*o),
+            // `distinct` returns one value for each set of numerically equal ones, in the type
+            // of whichever document it met first: a hostile record's offset `-0.0` stands for
+            // every ServiceConnect record's `0` (simulation seed 269: no record of offset 0
+            // was ever claimed again). The claim's `Time.1: 0` matches them all alike.
+            Bson::Double(o) if o.fract() == 0.0 && o.abs() <= 1e6 => Some(*o as i64),
             _ => None,
         })
         .filter(|o| offset_in_range(*o))
@@ -331,5 +336,18 @@ mod tests {
             Bson::Int32(-840),
         ];
         assert_eq!(servable_offsets(&seen), [-840, -300, 60]);
+    }
+
+    #[test]
+    fn an_offset_distinct_returns_as_a_double_is_served() {
+        // distinct() collapses 0, 0.0 and -0.0 into whichever it met first.
+        let seen = [Bson::Int32(-633), Bson::Double(-0.0), Bson::Double(0.1)];
+        assert_eq!(servable_offsets(&seen), [-633, 0]);
+        let seen = [
+            Bson::Double(60.0),
+            Bson::Double(f64::NAN),
+            Bson::Double(1e300),
+        ];
+        assert_eq!(servable_offsets(&seen), [60]);
     }
 }

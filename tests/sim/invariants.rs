@@ -499,8 +499,9 @@ impl Checker {
             let claimable_since = due.max(expires).max(since_ms);
             if server_ms - claimable_since > window_ms {
                 return Some(format!(
-                    "record {k} due at {due} claimable for {} ms (lease expired at {expires})",
-                    server_ms - claimable_since
+                    "record {k} due at {due} claimable for {} ms (lease expired at {expires}; Time {})",
+                    server_ms - claimable_since,
+                    doc.get("Time").map(|t| t.to_string()).unwrap_or_default()
                 ));
             }
         }
