@@ -16,12 +16,14 @@
 //! failing: to look past a known open defect), `--seed-limit SECS` (wall-clock seconds a run
 //! may take before it is named a hang and the runner stops, default 300 or
 //! `SIMULATE_SEED_LIMIT`), `--print-scenario S` (seed S's scenario as JSON, as a regression
-//! file holds it).
+//! file holds it), `--jobs J` (seeds on J threads at once, default 1 or `SIMULATE_JOBS`).
 #![allow(clippy::disallowed_methods)]
 
 mod sim;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant as WallInstant;
 
 use sim::fleet::{Outcome, RunOptions, run_traced};
@@ -49,6 +51,7 @@ struct Args {
     allow: Vec<String>,
     seed_limit: std::time::Duration,
     print_scenario: Option<u64>,
+    jobs: u64,
 }
 
 fn args() -> Args {
@@ -66,6 +69,10 @@ fn args() -> Args {
         quiet: false,
         allow: Vec::new(),
         print_scenario: None,
+        jobs: std::env::var("SIMULATE_JOBS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1),
         seed_limit: std::time::Duration::from_secs(
             std::env::var("SIMULATE_SEED_LIMIT")
                 .ok()
@@ -93,6 +100,7 @@ fn args() -> Args {
             "--keep-going" => a.keep_going = true,
             "--quiet" => a.quiet = true,
             "--allow" => a.allow.extend(it.next()),
+            "--jobs" => a.jobs = num(&mut it),
             "--print-scenario" => a.print_scenario = Some(num(&mut it)),
             "--seed-limit" => a.seed_limit = std::time::Duration::from_secs(num(&mut it)),
             // What cargo's test runner may pass (`--nocapture`, a filter, ...): ignored.
@@ -148,6 +156,16 @@ fn guarded(label: &str, s: &Scenario, opts: &RunOptions, limit: std::time::Durat
             std::process::exit(1)
         }
     }
+}
+
+/// One seed's run, as a worker hands it to the reporter.
+struct Ran {
+    seed: u64,
+    scenario: Scenario,
+    outcome: Outcome,
+    took: f64,
+    /// Set when the seed ran twice and the traces differed.
+    not_deterministic: Option<String>,
 }
 
 fn regressions_dir() -> PathBuf {
@@ -300,34 +318,67 @@ fn main() {
         }
     }
 
-    // The seeds.
+    // The seeds, on `--jobs` threads (each seed's run on a runtime of its own), reported
+    // here as they end.
     let seeds_started = WallInstant::now();
     let cpu_started = cpu_seconds();
     let mut ran = 0u64;
-    for seed in a.from..a.from.saturating_add(a.seeds) {
-        let s = Scenario::draw(seed);
-        let one = WallInstant::now();
-        let o = guarded(&format!("seed {seed}"), &s, &opts, a.seed_limit);
+    let end = a.from.saturating_add(a.seeds);
+    let next = Arc::new(AtomicU64::new(a.from));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel::<Ran>();
+    let workers: Vec<_> = (0..a.jobs.max(1))
+        .map(|_| {
+            let (next, stop, tx, opts) = (next.clone(), stop.clone(), tx.clone(), opts.clone());
+            let (from, repeat, limit) = (a.from, a.repeat, a.seed_limit);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let seed = next.fetch_add(1, Ordering::Relaxed);
+                    if seed >= end {
+                        break;
+                    }
+                    let s = Scenario::draw(seed);
+                    let one = WallInstant::now();
+                    let o = guarded(&format!("seed {seed}"), &s, &opts, limit);
+                    let took = one.elapsed().as_secs_f64();
+                    let mut not_deterministic = None;
+                    if o.violation.is_none() && seed - from < repeat {
+                        let again = guarded(&format!("seed {seed} (again)"), &s, &opts, limit);
+                        if again.trace_hash != o.trace_hash || again.events != o.events {
+                            not_deterministic = Some(format!(
+                                "trace hash {:016x} ({} events), then {:016x} ({} events)",
+                                o.trace_hash, o.events, again.trace_hash, again.events
+                            ));
+                        }
+                    }
+                    let ran = Ran {
+                        seed,
+                        scenario: s,
+                        outcome: o,
+                        took,
+                        not_deterministic,
+                    };
+                    if tx.send(ran).is_err() {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    for r in rx {
+        let (seed, s, o) = (r.seed, &r.scenario, &r.outcome);
         ran += 1;
-        let took = one.elapsed().as_secs_f64();
-        if took > 10.0 && !a.quiet {
+        if r.took > 10.0 && !a.quiet {
             println!(
-                "simulate: seed {seed} took {took:.1} s ({} events, {} virtual ms)",
-                o.events, o.virtual_ms
+                "simulate: seed {seed} took {:.1} s ({} events, {} virtual ms)",
+                r.took, o.events, o.virtual_ms
             );
         }
-        let mut ok = o.violation.is_none();
-        if ok && seed - a.from < a.repeat {
-            let again = guarded(&format!("seed {seed} (again)"), &s, &opts, a.seed_limit);
-            if again.trace_hash != o.trace_hash || again.events != o.events {
-                ok = false;
-                println!(
-                    "FAILED seed {seed}: not deterministic: trace hash {:016x} ({} events), then {:016x} ({} events)",
-                    o.trace_hash, o.events, again.trace_hash, again.events
-                );
-            }
+        if let Some(why) = &r.not_deterministic {
+            println!("FAILED seed {seed}: not deterministic: {why}");
         }
-        if ok {
+        if o.violation.is_none() && r.not_deterministic.is_none() {
             passed += 1;
             if !a.quiet && ran.is_multiple_of(50) {
                 let secs = seeds_started.elapsed().as_secs_f64();
@@ -339,16 +390,19 @@ fn main() {
             continue;
         }
         failed += 1;
-        report(&format!("seed {seed}"), &s, &o, false);
+        if !a.keep_going {
+            stop.store(true, Ordering::Relaxed);
+        }
+        report(&format!("seed {seed}"), s, o, false);
         if let Some(v) = &o.violation {
             println!("  replay: scripts/simulate.sh --seed {seed}");
-            if a.shrink {
-                keep(&s, v.invariant, &opts, a.seed_limit);
+            if a.shrink && (a.keep_going || failed == 1) {
+                keep(s, v.invariant, &opts, a.seed_limit);
             }
         }
-        if !a.keep_going {
-            break;
-        }
+    }
+    for w in workers {
+        let _ = w.join();
     }
     let secs = seeds_started.elapsed().as_secs_f64().max(1e-9);
     let cpu = (cpu_seconds() - cpu_started).max(1e-9);

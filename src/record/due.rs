@@ -126,21 +126,29 @@ pub fn offset_in_range(offset: i64) -> bool {
     (-MAX_OFFSET_MINUTES..=MAX_OFFSET_MINUTES).contains(&offset)
 }
 
+/// The whole number a `distinct` value stands for, of any numeric type. `distinct` returns
+/// one value for each set of numerically equal ones, in the type of whichever document it
+/// met first: a hostile record's offset `-0.0` (simulation seed 269) or `Decimal128` zero
+/// (seed 708) stands for every ServiceConnect record's `0`, and no record of offset 0 was
+/// ever claimed again while only integers counted. A claim's `Time.1: 0` matches them all.
+pub fn whole_number(value: &Bson) -> Option<i64> {
+    let whole = |o: f64| (o.fract() == 0.0 && o.abs() <= 1e6).then_some(o as i64);
+    match value {
+        Bson::Int32(o) => Some(i64::from(*o)),
+        Bson::Int64(o) => Some(*o),
+        Bson::Double(o) => whole(*o),
+        // Its text ("0", "-0", "6.0E+1", "NaN"), which every bit pattern has.
+        Bson::Decimal128(d) => d.to_string().parse::<f64>().ok().and_then(whole),
+        _ => None,
+    }
+}
+
 /// Offsets (from a `distinct` of `"Time.1"`) that a due query can serve: whole minutes
 /// within +-14 h, sorted, without repeats.
 pub fn servable_offsets(values: &[Bson]) -> Vec<i32> {
     let mut offsets: Vec<i32> = values
         .iter()
-        .filter_map(|v| match v {
-            Bson::Int32(o) => Some(i64::from(*o)),
-            Bson::Int64(o) => Some(*o),
-            // `distinct` returns one value for each set of numerically equal ones, in the type
-            // of whichever document it met first: a hostile record's offset `-0.0` stands for
-            // every ServiceConnect record's `0` (simulation seed 269: no record of offset 0
-            // was ever claimed again). The claim's `Time.1: 0` matches them all alike.
-            Bson::Double(o) if o.fract() == 0.0 && o.abs() <= 1e6 => Some(*o as i64),
-            _ => None,
-        })
+        .filter_map(whole_number)
         .filter(|o| offset_in_range(*o))
         .filter_map(|o| i32::try_from(o).ok())
         .collect();
@@ -349,5 +357,26 @@ mod tests {
             Bson::Double(1e300),
         ];
         assert_eq!(servable_offsets(&seen), [60]);
+        let decimal = |s: &str| Bson::Decimal128(s.parse().unwrap());
+        let seen = [
+            decimal("0E-6176"),
+            decimal("-6.0E+1"),
+            decimal("0.5"),
+            decimal("NaN"),
+        ];
+        assert_eq!(servable_offsets(&seen), [-60, 0]);
+    }
+
+    #[test]
+    fn any_decimal128_bit_pattern_reads_without_panic() {
+        // Stored values are hostile: every bit pattern of a Decimal128 must read.
+        let mut x: u128 = 0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C834;
+        for _ in 0..50_000 {
+            x = x
+                .wrapping_mul(0x2360_ED05_1FC6_5DA4_4385_DF64_9FCC_F645)
+                .wrapping_add(1);
+            let d = bson::Decimal128::from_bytes(x.to_le_bytes());
+            let _ = whole_number(&Bson::Decimal128(d));
+        }
     }
 }

@@ -192,15 +192,7 @@ pub(crate) async fn probe_finds_new(
 /// `$nin`: MongoDB serves either from the index, SecantusDB scans the whole index for the
 /// range (70 ms at 50k records, measured) and seeks for the points (5 ms).
 fn unseen_offsets(seen: &[Bson]) -> Vec<i32> {
-    let seen: std::collections::HashSet<i64> = seen
-        .iter()
-        .filter_map(|v| match v {
-            Bson::Int32(o) => Some(i64::from(*o)),
-            Bson::Int64(o) => Some(*o),
-            Bson::Double(o) if o.fract() == 0.0 && o.abs() <= 1e6 => Some(*o as i64),
-            _ => None,
-        })
-        .collect();
+    let seen: std::collections::HashSet<i64> = seen.iter().filter_map(due::whole_number).collect();
     let max = due::MAX_OFFSET_MINUTES as i32;
     (-max..=max)
         .filter(|o| !seen.contains(&i64::from(*o)))

@@ -340,9 +340,7 @@ impl Backend for Wire {
         Box::pin(async move {
             let sent = world.now_ms();
             let r = call.await;
-            if r.is_ok() {
-                world.checker().clock_read(instance, sent);
-            }
+            world.checker().hello(instance, sent, r.is_ok());
             r
         })
     }

@@ -127,6 +127,8 @@ pub struct Checker {
     /// When each instance sent the `hello` of its latest reading of the server clock
     /// (virtual ms).
     clock_read: HashMap<usize, u64>,
+    /// Each instance's answered `hello`s since its last reading (their sending instants).
+    hellos: HashMap<usize, Vec<u64>>,
     /// Takes (a compare-and-swap that leased records to a fresh owner) whose answer the
     /// instance did not see succeed (the call was dropped, or failed): (instance, owner,
     /// virtual ms).
@@ -214,10 +216,24 @@ impl Checker {
         self.server_steps.push((at_ms, ms));
     }
 
-    /// `instance` got a reading of the server clock from a `hello` sent at `sent_ms`.
-    pub fn clock_read(&mut self, instance: usize, sent_ms: u64) {
+    /// A `hello` of `instance`, sent at `sent_ms`, answered (`ok`) or not. The daemon reads
+    /// the server clock with three in a row and keeps the one with the shortest round trip,
+    /// only when all three answered: so a reading is counted once three in a row answered, as
+    /// asked for when the first of them was sent (the earliest its sample can be from).
+    pub fn hello(&mut self, instance: usize, sent_ms: u64, ok: bool) {
+        let streak = self.hellos.entry(instance).or_default();
+        if !ok {
+            streak.clear();
+            return;
+        }
+        streak.push(sent_ms);
+        if streak.len() < 3 {
+            return;
+        }
+        let first = streak[streak.len() - 3];
+        streak.clear();
         let latest = self.clock_read.entry(instance).or_default();
-        *latest = (*latest).max(sent_ms);
+        *latest = (*latest).max(first);
     }
 
     /// How far the server clock stepped back since `instance`'s latest reading was asked
