@@ -106,7 +106,8 @@ impl World {
     fn look(&self, at: u64) {
         let timeouts = models::docs(&self.mongo, &self.timeouts);
         let parked = models::docs(&self.mongo, &self.parked);
-        self.checker().look(at, &timeouts, &parked);
+        let server_ms = models::server_ms(&self.mongo);
+        self.checker().look(at, server_ms, &timeouts, &parked);
     }
 
     /// The record a message is of (its `MessageId` or, with random ids, `CorrelationId`).

@@ -81,6 +81,15 @@ pub struct RecordInfo {
     pub park_reasons: Option<Vec<&'static str>>,
 }
 
+/// `doc` without the named fields (for shorter messages).
+pub fn without_fields(doc: &Document, names: &[&str]) -> Document {
+    let mut d = doc.clone();
+    for n in names {
+        d.remove(*n);
+    }
+    d
+}
+
 /// The key of an `_id` in maps.
 pub fn key(id: &Bson) -> String {
     match id {
@@ -140,6 +149,9 @@ pub struct Checker {
     releases: BTreeSet<(usize, String)>,
     /// Parked records whose reason was checked.
     park_checked: BTreeSet<String>,
+    /// Records locked at the last look, and when (server clock) each was last seen freed.
+    locked: BTreeSet<String>,
+    freed_at: HashMap<String, i64>,
     pub violation: Option<Violation>,
     /// Invariants whose violations are counted (in `stats`) instead of ending the run: a
     /// known open defect, so that a run can look past it (`--allow NAME`).
@@ -436,11 +448,19 @@ impl Checker {
     }
 
     /// After a call answered: the records in `Timeouts` and in the parked collection now.
-    pub fn look(&mut self, at_ms: u64, timeouts: &[Document], parked: &[Document]) {
+    pub fn look(&mut self, at_ms: u64, server_ms: i64, timeouts: &[Document], parked: &[Document]) {
         let mut now = BTreeSet::new();
         for doc in timeouts {
             let Some(id) = doc.get("_id") else { continue };
             let k = key(id);
+            // When a lease ends by a write (a release, the reaper), the record no longer
+            // says when it was leased: remember when it became free.
+            let locked = doc.get("Locked") == Some(&Bson::Boolean(true));
+            if locked {
+                self.locked.insert(k.clone());
+            } else if self.locked.remove(&k) {
+                self.freed_at.insert(k.clone(), server_ms);
+            }
             if let Some(info) = self.records.get(&k) {
                 let fields = without_locks(doc);
                 if fields != info.fields && bytes(&fields) != bytes(&info.fields) {
@@ -490,7 +510,8 @@ impl Checker {
 
     /// A record that should be sent and that nobody holds (no live lease by the server clock)
     /// although it has been claimable for longer than `window_ms` (counted from its due
-    /// instant, its last lease's expiry and `since_ms`, all on the server clock).
+    /// instant, its last lease's expiry, when a write last freed it and `since_ms`, all on the
+    /// server clock).
     pub fn left_unclaimed(
         &self,
         timeouts: &[Document],
@@ -512,12 +533,16 @@ impl Checker {
                 .get("LockExpiresAt")
                 .and_then(Bson::as_datetime)
                 .map_or(i64::MIN, |d| d.timestamp_millis());
-            let claimable_since = due.max(expires).max(since_ms);
+            let freed = self.freed_at.get(&k).copied().unwrap_or(i64::MIN);
+            let claimable_since = due.max(expires).max(since_ms).max(freed);
             if server_ms - claimable_since > window_ms {
                 return Some(format!(
-                    "record {k} due at {due} claimable for {} ms (lease expired at {expires}; Time {})",
+                    "record {k} due at {due} claimable for {} ms (lease expired at {expires}; {})",
                     server_ms - claimable_since,
-                    doc.get("Time").map(|t| t.to_string()).unwrap_or_default()
+                    super::trace::short(
+                        &without_fields(doc, &["Headers", "ProcessManagerId", "_id"]),
+                        300
+                    )
                 ));
             }
         }
