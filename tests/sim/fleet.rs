@@ -54,6 +54,18 @@ pub struct World {
     queues: Vec<String>,
     timeouts: String,
     parked: String,
+    decoding: timeoutd::record::Decoding,
+    /// Reschedules racing claims: the draw, the chance per read, the records moved so far,
+    /// and whether faults are still on.
+    race: Mutex<Race>,
+}
+
+#[derive(Debug)]
+struct Race {
+    draw: super::swarm::Draw,
+    chance: f64,
+    moved: BTreeSet<String>,
+    on: bool,
 }
 
 impl World {
@@ -95,11 +107,42 @@ impl World {
         if let Ok(reply) = reply {
             self.checker().call(at, instance, collection, op, reply);
         }
+        if let (Op::Find { .. }, Ok(Reply::Docs(docs))) = (op, reply)
+            && collection == self.timeouts
+        {
+            self.race_a_claim(docs);
+        }
         // Only a write changes what the collections hold (a failed one may have written too).
         let writes = !matches!(op, Op::Find { .. } | Op::Count { .. } | Op::Distinct { .. });
         if writes && (collection == self.timeouts || collection == self.parked) {
             self.look(at);
         }
+    }
+
+    /// A read of `Timeouts` just returned `docs`: by the seed's chance, the operator moves
+    /// one of them later at once, before the reader can take it.
+    fn race_a_claim(&self, docs: &[Document]) {
+        let picked = {
+            let mut r = self.race.lock().unwrap_or_else(PoisonError::into_inner);
+            let chance = r.chance;
+            if !r.on || docs.is_empty() || !r.draw.chance(chance) {
+                return;
+            }
+            let i = r.draw.range(0, docs.len() as u64 - 1) as usize;
+            let by = r
+                .draw
+                .range(super::swarm::RACE_LATER_MS.0, super::swarm::RACE_LATER_MS.1);
+            let Some(id) = docs.get(i).and_then(|d| d.get("_id")).cloned() else {
+                return;
+            };
+            let k = super::invariants::key(&id);
+            if !r.moved.insert(k.clone()) {
+                return;
+            }
+            (k, id, by as i64)
+        };
+        let (k, id, by_ms) = picked;
+        apply_action(self, &k, &id, Some(by_ms), self.decoding);
     }
 
     /// Checks the collections as the server holds them now.
@@ -747,6 +790,13 @@ async fn run_in(
         queues: s.destinations.clone(),
         timeouts: timeouts.clone(),
         parked: parked.clone(),
+        decoding: timeoutd::record::Decoding::from(config.mongodb.time_encoding),
+        race: Mutex::new(Race {
+            draw: super::swarm::Draw::new(s.seed ^ 0x5ACE),
+            chance: s.reschedule_on_read,
+            moved: BTreeSet::new(),
+            on: true,
+        }),
     });
     let decoding = timeoutd::record::Decoding::from(config.mongodb.time_encoding);
     let mut pending = Vec::new();
@@ -864,6 +914,7 @@ async fn run_in(
             Step::Act(kind) => operate(&world, &kind, decoding),
             Step::Heal => {
                 trace.event(now, "sim", "faults stop");
+                world.race.lock().unwrap_or_else(PoisonError::into_inner).on = false;
                 healed_at = Some(now);
                 models::heal(&world.mongo, &world.rabbit, &world.queues);
                 // Every instance that was killed or stopped is replaced by a new one.
@@ -995,27 +1046,46 @@ fn readiness(world: &Arc<World>, instances: &[Option<Instance>], since_ms: i64, 
 /// checker learns the record's new due instant, or that it was cancelled, at the instant it
 /// happens.
 fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::Decoding) {
-    use timeoutd::store::lease;
     let (ActionKind::Reschedule { record, .. } | ActionKind::Cancel { record }) = kind;
-    let at = world.now_ms();
     let Some((k, id)) = world.checker().record_by_spec(*record) else {
         return;
     };
-    let Some(doc) = models::doc(&world.mongo, &world.timeouts, &id) else {
+    let later = match kind {
+        ActionKind::Reschedule { by_ms, .. } => Some(*by_ms),
+        ActionKind::Cancel { .. } => None,
+    };
+    apply_action(world, &k, &id, later, decoding);
+}
+
+/// Reschedules record `k` (`_id` `id`) by `later` ms, or cancels it when `later` is `None`.
+fn apply_action(
+    world: &World,
+    k: &str,
+    id: &Bson,
+    later: Option<i64>,
+    decoding: timeoutd::record::Decoding,
+) {
+    use timeoutd::store::lease;
+    let at = world.now_ms();
+    let what = match later {
+        Some(by) => format!("reschedule by {by} ms"),
+        None => "cancel".to_string(),
+    };
+    let Some(doc) = models::doc(&world.mongo, &world.timeouts, id) else {
         world
             .trace
-            .event(at, "op", format!("{kind:?}: {k} is not there"));
+            .event(at, "op", format!("{what}: {k} is not there"));
         return;
     };
     let now = bson::DateTime::from_millis(models::server_ms(&world.mongo));
     let time = doc.get("Time").cloned().unwrap_or(Bson::Null);
     let free = lease::claimable(now);
-    let (op, new_due) = match kind {
-        ActionKind::Reschedule { by_ms, .. } => {
+    let (op, new_due) = match later {
+        Some(by_ms) => {
             let Ok(rec) = timeoutd::record::TimeoutRecord::decode(&doc, decoding) else {
                 return;
             };
-            let due = rec.due.timestamp_millis().saturating_add(*by_ms);
+            let due = rec.due.timestamp_millis().saturating_add(by_ms);
             let new_time = match time {
                 Bson::DateTime(_) => Bson::DateTime(bson::DateTime::from_millis(due)),
                 _ => timeoutd::record::encode_time(
@@ -1035,7 +1105,7 @@ fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::De
                 Some(due),
             )
         }
-        ActionKind::Cancel { .. } => (
+        None => (
             Op::Delete {
                 filter: lease::all_of([doc! { "_id": id.clone() }, free]),
                 many: false,
@@ -1051,7 +1121,7 @@ fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::De
         at,
         "op",
         format!(
-            "{kind:?}: {k} {}",
+            "{what}: {k} {}",
             if done { "done" } else { "left (leased)" }
         ),
     );
@@ -1063,9 +1133,9 @@ fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::De
             let fields = models::doc(&world.mongo, &world.timeouts, &id)
                 .map(|d| without_locks(&d))
                 .unwrap_or_default();
-            world.checker().rescheduled(&k, due, fields);
+            world.checker().rescheduled(k, due, fields);
         }
-        None => world.checker().cancelled(&k),
+        None => world.checker().cancelled(k),
     }
 }
 

@@ -192,9 +192,17 @@ pub struct Scenario {
     /// were drawn).
     #[serde(default)]
     pub actions: Vec<Action>,
+    /// The chance that a read of `Timeouts` by an instance is at once followed, before any
+    /// other step, by the operator moving one of the records it returned later (each record
+    /// once, while faults are on): a reschedule racing a claim between its read and its take.
+    #[serde(default)]
+    pub reschedule_on_read: f64,
     /// When the faults stop (every fault has ended by then); the liveness phase follows.
     pub faults_end_ms: u64,
 }
+
+/// How much later a reschedule racing a claim moves a record: from, to (ms).
+pub const RACE_LATER_MS: (u64, u64) = (1_000, 20_000);
 
 /// The queue nothing is bound to.
 pub const UNROUTABLE: &str = "sim-unbound";
@@ -368,6 +376,14 @@ impl Scenario {
         }
         faults.sort_by_key(|f| f.at_ms);
         let actions = Self::draw_actions(seed, records.len(), faults_end_ms);
+        let reschedule_on_read = {
+            let mut d = Draw::new(seed ^ 0x00AC_E0F2_EAD5);
+            if d.chance(0.3) {
+                *d.pick(&[0.05, 0.2, 0.5])
+            } else {
+                0.0
+            }
+        };
         let mut records = records;
         Self::draw_frames(seed, &mut knobs, &mut records);
         Scenario {
@@ -379,6 +395,7 @@ impl Scenario {
             records,
             faults,
             actions,
+            reschedule_on_read,
             faults_end_ms,
         }
     }
@@ -478,7 +495,13 @@ impl Scenario {
                 *by_record.entry(record).or_default() += by_ms;
             }
         }
-        by_record.values().copied().max().unwrap_or(0).max(0) as u64
+        let planned = by_record.values().copied().max().unwrap_or(0).max(0) as u64;
+        let racing = if self.reschedule_on_read > 0.0 {
+            RACE_LATER_MS.1
+        } else {
+            0
+        };
+        planned + racing
     }
 
     /// The smaller scenarios to try in place of this failing one, most promising first:
@@ -496,6 +519,12 @@ impl Scenario {
                 s.faults.remove(i);
                 out.push(s);
             }
+        }
+        if self.reschedule_on_read > 0.0 {
+            out.push(Scenario {
+                reschedule_on_read: 0.0,
+                ..self.clone()
+            });
         }
         if !self.actions.is_empty() {
             out.push(Scenario {
