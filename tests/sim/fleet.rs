@@ -669,7 +669,15 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
                 if destination == UNROUTABLE {
                     reasons.push("unroutable");
                 }
-                if r.header_bytes > 0 {
+                // (Its other properties and headers take well under 1 KiB of the frame.)
+                let smallest = s
+                    .knobs
+                    .node_frame_max
+                    .iter()
+                    .copied()
+                    .min()
+                    .unwrap_or(u32::MAX);
+                if r.header_bytes > 0 && r.header_bytes.saturating_add(1_024) > smallest {
                     reasons.push("unsendable");
                 }
                 park_reasons = Some(reasons);

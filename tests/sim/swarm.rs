@@ -400,7 +400,7 @@ impl Scenario {
         }
     }
 
-    /// In two seeds of five, a cluster whose second node offers a small `frame_max`, and
+    /// In two seeds of five, a cluster one of whose nodes offers a small `frame_max`, and
     /// records with headers about its size (some fit it, some only the first node's): from a
     /// generator of their own, as [`Scenario::draw_actions`].
     fn draw_frames(seed: u64, knobs: &mut Knobs, records: &mut [RecordSpec]) {
@@ -409,7 +409,12 @@ impl Scenario {
             return;
         }
         let small = *d.pick(&[4_096u32, 8_192, 16_384]);
-        knobs.node_frame_max = vec![131_072, small];
+        // The small one first (where links open) or second (where a failover goes).
+        knobs.node_frame_max = if d.chance(0.5) {
+            vec![small, 131_072]
+        } else {
+            vec![131_072, small]
+        };
         for r in records.iter_mut() {
             if matches!(r.kind, RecordKind::Ordinary { .. }) && d.chance(0.3) {
                 r.header_bytes = d.range(u64::from(small / 2), u64::from(small) * 2) as u32;
