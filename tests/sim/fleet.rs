@@ -1138,7 +1138,7 @@ fn apply_action(
     }
     match new_due {
         Some(due) => {
-            let fields = models::doc(&world.mongo, &world.timeouts, &id)
+            let fields = models::doc(&world.mongo, &world.timeouts, id)
                 .map(|d| without_locks(&d))
                 .unwrap_or_default();
             world.checker().rescheduled(k, due, fields);
