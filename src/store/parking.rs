@@ -38,6 +38,9 @@ pub mod parked_field {
     pub const PARKED_AT: &str = "parked_at";
     /// A fresh UUID per park: tells one parked copy of a record from the next.
     pub const PARK_ID: &str = "park_id";
+    /// Set by `parked requeue` before it puts the record back in `Timeouts`: a park may
+    /// replace this copy, and no other (see [`super::Parking::park`]).
+    pub const REQUEUED: &str = "requeued";
 }
 
 /// Fields of a failed-send count in `<collection>_attempts`, whose `_id` is the record's
@@ -245,24 +248,49 @@ impl Parking {
             parked_field::PARKED_AT: self.clock.now(),
             parked_field::PARK_ID: park_id.clone(),
         };
-        self.parked
-            .replace_one(doc! { field::ID: id.clone() }, parked)
+        // The copy is written where none is, or over one that `parked requeue` is putting
+        // back, never over another park's: an instance whose lease ran out could otherwise
+        // replace the copy of the instance that took the record over and parked it, then take
+        // its own copy back, and the record was in neither collection (simulation seed 4580).
+        // A copy that is there already (another park's, or one a crash left between this
+        // write and the delete) makes the upsert's insert a duplicate key.
+        let mine = match self
+            .parked
+            .replace_one(
+                doc! { field::ID: id.clone(), parked_field::REQUEUED: true },
+                parked.clone(),
+            )
             .upsert(true)
-            .await?;
+            .await
+        {
+            Ok(_) => true,
+            Err(e) if is_duplicate_key(&e) => false,
+            Err(e) => return Err(e.into()),
+        };
         let deleted = self
             .timeouts
             .delete_one(lease::held_one(id, owner, self.clock.now()))
             .await?;
         if deleted.deleted == 1 {
+            if !mine {
+                // The copy there was left by a park that crashed before its delete: the
+                // record's fate is this park's now, so its copy says why.
+                self.parked
+                    .replace_one(doc! { field::ID: id.clone() }, parked)
+                    .upsert(true)
+                    .await?;
+            }
             self.attempts
                 .delete_one(doc! { field::ID: id.clone() })
                 .await?;
             return Ok(Parked::Moved);
         }
         // Not ours any more: take back this copy, and only this one.
-        self.parked
-            .delete_one(doc! { field::ID: id.clone(), parked_field::PARK_ID: park_id })
-            .await?;
+        if mine {
+            self.parked
+                .delete_one(doc! { field::ID: id.clone(), parked_field::PARK_ID: park_id })
+                .await?;
+        }
         Ok(Parked::LeaseLost)
     }
 
@@ -342,6 +370,18 @@ impl Parking {
             .get_document(parked_field::RECORD)
             .cloned()
             .unwrap_or_default();
+        // Copies parked before park_id existed have none: null matches a missing field.
+        let this_copy = doc! {
+            field::ID: id.clone(),
+            parked_field::PARK_ID: parked.get(parked_field::PARK_ID).cloned().unwrap_or(Bson::Null),
+        };
+        // Marked first: a park of the record once it is back may replace this copy.
+        self.parked
+            .update_one(
+                this_copy.clone(),
+                doc! { "$set": { parked_field::REQUEUED: true } },
+            )
+            .await?;
         let outcome = match self.timeouts.insert_one(lease::as_free(record)).await {
             Ok(_) => Requeued::Requeued,
             Err(e) if is_duplicate_key(&e) => Requeued::AlreadyInTimeouts,
@@ -357,11 +397,6 @@ impl Parking {
         self.attempts
             .delete_one(doc! { field::ID: id.clone() })
             .await?;
-        // Copies parked before park_id existed have none: null matches a missing field.
-        let this_copy = doc! {
-            field::ID: id,
-            parked_field::PARK_ID: parked.get(parked_field::PARK_ID).cloned().unwrap_or(Bson::Null),
-        };
         let deleted = self.parked.delete_one(this_copy).await?;
         Ok(if deleted.deleted == 1 {
             outcome
