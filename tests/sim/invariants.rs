@@ -4,7 +4,7 @@
 //!
 //! What is checked (the first broken one ends the run):
 //! - `left-unsent`: a record leaves `Timeouts` only after a confirmed, routed publish of it, or
-//!   into the parked collection, or by the operator's cancel;
+//!   into the parked collection (whose copy then stays), or by the operator's cancel;
 //! - `not-done`: once faults stop, every ordinary record is delivered or parked, every
 //!   unroutable one parked, within [`crate::sim::swarm::Scenario::liveness_bound_ms`] (hostile
 //!   ones may also stay, unschedulable);
@@ -149,6 +149,8 @@ pub struct Checker {
     releases: BTreeSet<(usize, String)>,
     /// Parked records whose reason was checked.
     park_checked: BTreeSet<String>,
+    /// Records seen parked and gone from Timeouts.
+    parked_seen: BTreeSet<String>,
     /// Records locked at the last look, and when (server clock) each was last seen freed.
     locked: BTreeSet<String>,
     freed_at: HashMap<String, i64>,
@@ -495,6 +497,27 @@ impl Checker {
             .iter()
             .filter_map(|d| d.get("_id").map(key))
             .collect();
+        // A parked copy of a record gone from Timeouts is its only copy: it must stay (the
+        // simulation runs no `parked requeue` or `parked drop`).
+        let vanished: Vec<String> = self
+            .parked_seen
+            .iter()
+            .filter(|k| !parked.contains(*k) && !now.contains(*k))
+            .filter(|k| !self.delivered.get(*k).is_some_and(|v| !v.is_empty()))
+            .cloned()
+            .collect();
+        for k in vanished {
+            self.parked_seen.remove(&k);
+            let d = format!(
+                "record {k} is in neither Timeouts nor the parked collection, and was never delivered"
+            );
+            self.fail(at_ms, "left-unsent", d);
+        }
+        for k in &parked {
+            if !now.contains(k) {
+                self.parked_seen.insert(k.clone());
+            }
+        }
         let gone: Vec<String> = self.present.difference(&now).cloned().collect();
         for k in gone {
             let delivered = self.delivered.get(&k).is_some_and(|v| !v.is_empty());
