@@ -503,7 +503,7 @@ impl Checker {
             .parked_seen
             .iter()
             .filter(|k| !parked.contains(*k) && !now.contains(*k))
-            .filter(|k| !self.delivered.get(*k).is_some_and(|v| !v.is_empty()))
+            .filter(|k| self.delivered.get(*k).is_none_or(|v| v.is_empty()))
             .cloned()
             .collect();
         for k in vanished {
