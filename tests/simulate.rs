@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant as WallInstant;
 
-use sim::fleet::{Outcome, RunOptions, run_traced};
+use sim::fleet::{Outcome, RunOptions, run};
 use sim::swarm::{Scenario, shrink};
 use sim::trace::Trace;
 
@@ -121,7 +121,7 @@ fn guarded(label: &str, s: &Scenario, opts: &RunOptions, limit: std::time::Durat
     let spawned = std::thread::Builder::new()
         .name(label.to_string())
         .spawn(move || {
-            let _ = tx.send(run_traced(&scenario, options, handle));
+            let _ = tx.send(run(&scenario, options, handle));
         });
     if let Err(e) = spawned {
         eprintln!("simulate: cannot start a thread for {label}: {e}");

@@ -8,6 +8,7 @@ use tokio::time::Instant;
 
 use super::{Dispatcher, Ready};
 use crate::metrics as m;
+use crate::store::lease::{self, PrePublish};
 
 impl Dispatcher {
     /// Takes in the latest pauses and ramps; on a change, releases what this instance holds
@@ -71,14 +72,18 @@ impl Dispatcher {
     }
 
     /// Sorts the records that fell due: sendable now, or held back by a pause (released) or
-    /// by a rate limit (held until a token comes).
-    pub(super) fn hold_back(&mut self, due: Vec<Ready>, now: bson::DateTime) -> Vec<Ready> {
+    /// by a rate limit (held until a token comes, or released when the token would come too
+    /// late for the lease). `now` is the earliest the server's clock can read, `latest` the
+    /// latest.
+    pub(super) fn hold_back(
+        &mut self,
+        due: Vec<Ready>,
+        now: bson::DateTime,
+        latest: bson::DateTime,
+    ) -> Vec<Ready> {
         let control = self.control.clone();
         let rated = self.limits.any(!control.ramps.is_empty());
         let (at, now_ms) = (Instant::now(), now.timestamp_millis());
-        // The latest the server's clock can read, and the margin a publish needs: a token that
-        // comes after that no longer finds the lease able to cover the publish.
-        let latest_ms = self.store.clock().latest().timestamp_millis();
         let margin = self.config.dispatch.lease_safety_margin;
         let mut send = Vec::with_capacity(due.len());
         let mut paused = Vec::new();
@@ -103,11 +108,9 @@ impl Dispatcher {
                     // turn found it too late (simulation seed 102: 87 records at 2 a second
                     // under a 3 s lease stalled for 26 s at a time). Released now, a later
                     // claim, here or on another instance, takes it again.
-                    let send_by = r.lease.expires_at.timestamp_millis();
-                    let token_at = latest_ms
-                        .saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX))
-                        .saturating_add(i64::try_from(margin.as_millis()).unwrap_or(i64::MAX));
-                    if token_at >= send_by {
+                    // The wave's own pre-publish check, at the instant the token comes.
+                    let token_at = lease::add(latest, wait);
+                    if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
                         outlasting.push((r.id, r.lease));
                     } else {
                         later.push((r, wait));

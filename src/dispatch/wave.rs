@@ -209,7 +209,7 @@ impl Dispatcher {
         let mut too_late = Vec::new();
         let mut messages: Vec<OutgoingMessage> = Vec::new();
         let due = self.held.take_due(now);
-        for r in self.hold_back(due, now) {
+        for r in self.hold_back(due, now, latest) {
             // The lease left by the latest the server's clock can read.
             if r.lease.before_publish(latest, margin) != PrePublish::Publish {
                 too_late.push((r.id, r.lease));

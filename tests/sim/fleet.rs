@@ -142,7 +142,7 @@ impl World {
             (k, id, by as i64)
         };
         let (k, id, by_ms) = picked;
-        apply_action(self, &k, &id, Some(by_ms), self.decoding);
+        apply_action(self, &k, &id, Some(by_ms));
     }
 
     /// Checks the collections as the server holds them now.
@@ -741,15 +741,10 @@ pub struct RunOptions {
     pub allow: Vec<String>,
 }
 
-/// Runs one scenario to its end (or to its first broken invariant).
-pub fn run(s: &Scenario, opts: RunOptions) -> Outcome {
-    let trace = Trace::new(opts.keep_trace);
-    run_traced(s, opts, trace)
-}
-
-/// [`run`] into a trace the caller holds: a runner that gives up on a run that does not end
-/// (a hang) still has its last events.
-pub fn run_traced(s: &Scenario, opts: RunOptions, trace: Trace) -> Outcome {
+/// Runs one scenario to its end (or to its first broken invariant), into a trace the caller
+/// holds: a runner that gives up on a run that does not end (a hang) still has its last
+/// events.
+pub fn run(s: &Scenario, opts: RunOptions, trace: Trace) -> Outcome {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -806,7 +801,6 @@ async fn run_in(
             on: true,
         }),
     });
-    let decoding = timeoutd::record::Decoding::from(config.mongodb.time_encoding);
     let mut pending = Vec::new();
     for (doc, info, at) in documents(s, &config) {
         world.checker().add_record(info);
@@ -919,7 +913,7 @@ async fn run_in(
                 trace.event(now, "fault", format!("{kind:?}"));
                 apply(&world, &instances, &kind);
             }
-            Step::Act(kind) => operate(&world, &kind, decoding),
+            Step::Act(kind) => operate(&world, &kind),
             Step::Heal => {
                 trace.event(now, "sim", "faults stop");
                 world.race.lock().unwrap_or_else(PoisonError::into_inner).on = false;
@@ -1053,7 +1047,7 @@ fn readiness(world: &Arc<World>, instances: &[Option<Instance>], since_ms: i64, 
 /// only while it is free, and only with the `Time` that was read), landing at once: the
 /// checker learns the record's new due instant, or that it was cancelled, at the instant it
 /// happens.
-fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::Decoding) {
+fn operate(world: &Arc<World>, kind: &ActionKind) {
     let (ActionKind::Reschedule { record, .. } | ActionKind::Cancel { record }) = kind;
     let Some((k, id)) = world.checker().record_by_spec(*record) else {
         return;
@@ -1062,17 +1056,11 @@ fn operate(world: &Arc<World>, kind: &ActionKind, decoding: timeoutd::record::De
         ActionKind::Reschedule { by_ms, .. } => Some(*by_ms),
         ActionKind::Cancel { .. } => None,
     };
-    apply_action(world, &k, &id, later, decoding);
+    apply_action(world, &k, &id, later);
 }
 
 /// Reschedules record `k` (`_id` `id`) by `later` ms, or cancels it when `later` is `None`.
-fn apply_action(
-    world: &World,
-    k: &str,
-    id: &Bson,
-    later: Option<i64>,
-    decoding: timeoutd::record::Decoding,
-) {
+fn apply_action(world: &World, k: &str, id: &Bson, later: Option<i64>) {
     use timeoutd::store::lease;
     let at = world.now_ms();
     let what = match later {
@@ -1090,7 +1078,7 @@ fn apply_action(
     let free = lease::claimable(now);
     let (op, new_due) = match later {
         Some(by_ms) => {
-            let Ok(rec) = timeoutd::record::TimeoutRecord::decode(&doc, decoding) else {
+            let Ok(rec) = timeoutd::record::TimeoutRecord::decode(&doc, world.decoding) else {
                 return;
             };
             let due = rec.due.timestamp_millis().saturating_add(by_ms);

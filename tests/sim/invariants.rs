@@ -187,6 +187,14 @@ impl Checker {
         }
     }
 
+    /// One violation naming every item found (none: no violation).
+    fn fail_all(&mut self, at_ms: u64, invariant: &'static str, what: &str, items: &[String]) {
+        if !items.is_empty() {
+            let d = format!("{} {what}: {}", items.len(), items.join("; "));
+            self.fail(at_ms, invariant, d);
+        }
+    }
+
     fn bump(&mut self, what: &'static str) {
         *self.stats.entry(what).or_default() += 1;
     }
@@ -631,14 +639,7 @@ impl Checker {
                 ));
             }
         }
-        if !failures.is_empty() {
-            let d = format!(
-                "{} record(s) not done: {}",
-                failures.len(),
-                failures.join("; ")
-            );
-            self.fail(at_ms, "not-done", d);
-        }
+        self.fail_all(at_ms, "not-done", "record(s) not done", &failures);
         // Orphaned leases: a take the instance did not see succeed, which leased records, and
         // which the instance never asked to free (a second before the end at the latest, so
         // that a release started by the shutdown's last drop has had its turn).
@@ -653,14 +654,12 @@ impl Checker {
             })
             .map(|(instance, owner, at)| format!("instance {instance}, owner {owner}, at {at} ms"))
             .collect();
-        if !orphaned.is_empty() {
-            let d = format!(
-                "{} take(s) whose answer the instance did not see succeed leased records it never freed: {}",
-                orphaned.len(),
-                orphaned.join("; ")
-            );
-            self.fail(at_ms, "orphaned-lease", d);
-        }
+        self.fail_all(
+            at_ms,
+            "orphaned-lease",
+            "take(s) whose answer the instance did not see succeed leased records it never freed",
+            &orphaned,
+        );
         // Duplicates: deliveries after the first, except after a killed instance's delivery.
         let mut uncounted = 0u64;
         let mut total = 0u64;

@@ -513,35 +513,14 @@ impl Scenario {
     /// without all faults, without each fault, without each half of the records, without
     /// each record (when few are left), without the last instance.
     pub fn smaller(&self) -> Vec<Scenario> {
-        let mut out = Vec::new();
-        if !self.faults.is_empty() {
-            out.push(Scenario {
-                faults: Vec::new(),
-                ..self.clone()
-            });
-            for i in 0..self.faults.len() {
-                let mut s = self.clone();
-                s.faults.remove(i);
-                out.push(s);
-            }
-        }
+        let mut out = self.without_each(|s| &mut s.faults);
         if self.reschedule_on_read > 0.0 {
             out.push(Scenario {
                 reschedule_on_read: 0.0,
                 ..self.clone()
             });
         }
-        if !self.actions.is_empty() {
-            out.push(Scenario {
-                actions: Vec::new(),
-                ..self.clone()
-            });
-            for i in 0..self.actions.len() {
-                let mut s = self.clone();
-                s.actions.remove(i);
-                out.push(s);
-            }
-        }
+        out.extend(self.without_each(|s| &mut s.actions));
         let n = self.records.len();
         if n > 1 {
             let half = n / 2;
@@ -564,6 +543,24 @@ impl Scenario {
             let mut s = self.clone();
             s.instances.pop();
             s.faults.retain(|f| f.kind.instance() != Some(last));
+            out.push(s);
+        }
+        out
+    }
+
+    /// Without all of the items `list` picks (faults, actions), then without each one.
+    fn without_each<T>(&self, list: impl Fn(&mut Scenario) -> &mut Vec<T>) -> Vec<Scenario> {
+        let mut probe = self.clone();
+        let n = list(&mut probe).len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut none = self.clone();
+        list(&mut none).clear();
+        let mut out = vec![none];
+        for i in 0..n {
+            let mut s = self.clone();
+            list(&mut s).remove(i);
             out.push(s);
         }
         out
