@@ -322,6 +322,32 @@ impl Drop for TakeInFlight {
     }
 }
 
+/// A publish's confirm on its way to the instance: unless the instance sees an answer, its
+/// drop tells the checker that the instance gave up on it (see the `hold-off` invariant).
+struct AnswerInFlight {
+    world: Arc<World>,
+    instance: usize,
+    record: Option<String>,
+}
+
+impl AnswerInFlight {
+    fn seen(mut self) {
+        self.record = None;
+        self.world.checker().answer_seen(self.instance);
+    }
+}
+
+impl Drop for AnswerInFlight {
+    fn drop(&mut self) {
+        if let Some(record) = self.record.take() {
+            let at = self.world.now_ms();
+            self.world
+                .checker()
+                .answer_unseen(self.instance, &record, at);
+        }
+    }
+}
+
 /// The fresh owner a write leases records to (`$set: {LockedBy: owner}`, not the nil GUID).
 fn leases_to(op: &Op) -> Option<String> {
     let Op::Update { update, .. } = op else {
@@ -510,6 +536,12 @@ impl Link for WLink {
                 );
             }
             let confirm = inner.publish(&rk, body, properties, mandatory).await?;
+            // Unless the instance sees an answer, its drop tells the checker it gave up.
+            let seen = AnswerInFlight {
+                world: wan.world.clone(),
+                instance: wan.instance,
+                record: record.clone(),
+            };
             let (world, instance, ctl) = (wan.world.clone(), wan.instance, wan.ctl.clone());
             // The broker's answer, seen by the checker when the broker gives it; then
             // withheld, lost with the link, or held while the instance is paused.
@@ -520,6 +552,7 @@ impl Link for WLink {
                 answer
             });
             let confirm: Confirm = Box::pin(async move {
+                let seen = seen;
                 let answer = match answered.await {
                     Ok(a) => a,
                     Err(e) => Err(LinkError(format!("model task failed: {e}"))),
@@ -541,6 +574,9 @@ impl Link for WLink {
                     }
                 }
                 gate(&ctl).await;
+                if answer.is_ok() {
+                    seen.seen();
+                }
                 answer
             });
             Ok(confirm)

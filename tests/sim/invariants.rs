@@ -31,6 +31,11 @@
 //!   failed) and that leased records is followed by the instance asking to free that owner's
 //!   records, unless it was killed (a dropped take must not leave records leased for a
 //!   lease);
+//! - `hold-off`: a record whose publish the instance saw no answer to (its confirm was lost
+//!   with the link, or given up at the wave's deadline) is not published again by that
+//!   instance sooner than the back-off after unconfirmed waves allows: 100 ms doubling to
+//!   10 s for each such publish of it since the instance last saw any answer (a link that
+//!   withholds confirms must not get the same records again at once, nor ever faster);
 //! - `uncounted-duplicate`: every routed delivery after a record's first is counted by the
 //!   fleet's lease-lost or duplicate series, except those after a delivery by an instance that
 //!   was killed (read through the run's own metrics recorder at the end).
@@ -48,6 +53,23 @@ pub struct Violation {
     pub at_ms: u64,
     pub invariant: &'static str,
     pub detail: String,
+}
+
+/// A record's publishes whose answer an instance did not see (see the `hold-off` invariant).
+#[derive(Debug, Clone, Copy)]
+struct Unanswered {
+    /// The instance's `answers_seen` when these began.
+    answers_seen: u64,
+    count: u32,
+    at_ms: u64,
+}
+
+/// The least back-off after `count` unconfirmed waves in a row: `host::Backoff::reconnect`'s
+/// schedule without its jitter, which only adds.
+fn least_hold_off_ms(count: u32) -> u64 {
+    100u64
+        .saturating_mul(1u64 << count.saturating_sub(1).min(20))
+        .min(10_000)
 }
 
 /// What kind of end a record must reach.
@@ -154,6 +176,12 @@ pub struct Checker {
     /// Records locked at the last look, and when (server clock) each was last seen freed.
     locked: BTreeSet<String>,
     freed_at: HashMap<String, i64>,
+    /// Publishes whose answer the instance did not see, by (instance, record): how many
+    /// since the instance last saw any answer, and when it gave up on the latest.
+    unanswered: HashMap<(usize, String), Unanswered>,
+    /// How many answers each instance has seen (an entry of `unanswered` counts only while
+    /// this is what it was).
+    answers_seen: HashMap<usize, u64>,
     pub violation: Option<Violation>,
     /// Invariants whose violations are counted (in `stats`) instead of ending the run: a
     /// known open defect, so that a run can look past it (`--allow NAME`).
@@ -327,6 +355,33 @@ impl Checker {
         }
     }
 
+    /// `instance` saw the broker's answer to one of its publishes (an ack, a nack or a
+    /// return): the back-off after unconfirmed waves may start again from its base.
+    pub fn answer_seen(&mut self, instance: usize) {
+        *self.answers_seen.entry(instance).or_default() += 1;
+    }
+
+    /// `instance` gave up on its publish of `record` without an answer (the link was lost, or
+    /// the wave's deadline passed).
+    pub fn answer_unseen(&mut self, instance: usize, record: &str, at_ms: u64) {
+        self.bump("publishes-unanswered");
+        let seen = self.answers_seen.get(&instance).copied().unwrap_or(0);
+        let e = self
+            .unanswered
+            .entry((instance, record.to_string()))
+            .or_insert(Unanswered {
+                answers_seen: seen,
+                count: 0,
+                at_ms,
+            });
+        if e.answers_seen != seen {
+            e.answers_seen = seen;
+            e.count = 0;
+        }
+        e.count += 1;
+        e.at_ms = at_ms;
+    }
+
     pub fn killed(&mut self, instance: usize) {
         self.killed.insert(instance);
     }
@@ -412,6 +467,22 @@ impl Checker {
         let unseen = self.unseen_step_back(instance);
         if unseen > 0 {
             self.bump("publishes-after-unseen-step-back");
+        }
+        let seen = self.answers_seen.get(&instance).copied().unwrap_or(0);
+        if let Some(u) = self
+            .unanswered
+            .get(&(instance, record.to_string()))
+            .copied()
+            && u.answers_seen == seen
+            && at_ms < u.at_ms + least_hold_off_ms(u.count)
+        {
+            let d = format!(
+                "instance {instance} published {record} again {} ms after giving up on its publish without an answer ({} in a row); the back-off allows no sooner than {} ms",
+                at_ms - u.at_ms,
+                u.count,
+                least_hold_off_ms(u.count)
+            );
+            self.fail(at_ms, "hold-off", d);
         }
         let Some(info) = self.records.get(record) else {
             return;
