@@ -936,3 +936,126 @@ async fn soak_with_random_kills_and_cuts() {
     counter.close().await;
     env.cleanup().await;
 }
+
+/// Issue 25, 8.3, seen from outside: 20,000 due records to a queue that is gone (nothing bound
+/// to it: every send comes back unroutable), beside a live stream of 20 records a second to
+/// a live queue; two instances, a 20 s lease, MongoDB 10 ms away, 60 s. Before the fix the
+/// refused records queued without bound, outlived their leases and were counted as 12,584
+/// lost leases, the live stream's records came up to 5.9 s late and memory reached 116 MiB.
+/// Now: the dead queue's records are tried and deferred by `[retry]` (parked after
+/// `max_attempts`, long after this test), no lease is lost, nothing is counted as a possible
+/// duplicate, and the live stream is delivered exactly once. Prints the sends returned, the
+/// live stream's lateness and each instance's peak memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a minute and a half with 20,000 records; run it on purpose (scripts/fault-table.sh)"]
+async fn a_dead_queue_beside_a_live_stream() {
+    const DEAD: usize = 20_000;
+    const STREAM_SECS: u64 = 60;
+    let env = TestEnv::new().await;
+    let gone = format!("{}-gone", env.queue);
+    let dead_ids: Vec<Uuid> = (0..DEAD).map(|_| Uuid::new_v4()).collect();
+    for chunk in dead_ids.chunks(1_000) {
+        let docs: Vec<Document> = chunk
+            .iter()
+            .map(|id| v7_record(*id, &gone, Uuid::new_v4(), in_ms(-1_000), doc! {}))
+            .collect();
+        env.coll.insert_many(docs).await.expect("insert");
+    }
+    let counter = DeliveryCounter::start(&env.queue).await;
+    let mut config = env.config();
+    config.dispatch.lock_lease = secs(20);
+    let mongodb = mongodb_proxy(Mode::Delay {
+        requests: Duration::from_millis(5),
+        replies: Duration::from_millis(5),
+    })
+    .await;
+    let mut fleet = Vec::new();
+    for name in ["a", "b"] {
+        fleet.push(spawn(name, &env, &config, None, Some(&mongodb)).await);
+    }
+
+    // The live stream: 2 records due now every 100 ms.
+    let live = Arc::new(Mutex::new(Vec::new()));
+    let loader = {
+        let (coll, queue, live) = (env.coll.clone(), env.queue.clone(), live.clone());
+        tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            while start.elapsed() < secs(STREAM_SECS) {
+                tick.tick().await;
+                let batch: Vec<Uuid> = (0..2).map(|_| Uuid::new_v4()).collect();
+                let docs: Vec<_> = batch
+                    .iter()
+                    .map(|id| v7_record(*id, &queue, Uuid::new_v4(), in_ms(0), doc! {}))
+                    .collect();
+                remember_due(&docs);
+                coll.insert_many(docs).await.expect("insert");
+                live.lock().unwrap().extend(batch);
+            }
+        })
+    };
+    let mut peak_kib = vec![0u64; fleet.len()];
+    while !loader.is_finished() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for (p, d) in peak_kib.iter_mut().zip(&fleet) {
+            *p = (*p).max(d.peak_rss_kib().unwrap_or(0));
+        }
+    }
+    loader.await.unwrap();
+    let live = live.lock().unwrap().clone();
+    assert!(
+        counter.wait_distinct(live.len(), secs(60)).await,
+        "the live stream: {} of {} delivered; the instances' last notices: {:#?}",
+        counter.distinct(),
+        live.len(),
+        fleet
+            .iter()
+            .map(|d| last_notices(d, 20))
+            .collect::<Vec<_>>()
+    );
+    let (mut lease_lost, mut duplicates, mut returned) = (0.0, 0.0, 0.0);
+    let (mut claim_secs, mut claims) = (0.0, 0.0);
+    for d in &fleet {
+        let m = d.idle_metrics().await;
+        lease_lost += series(&m, LEASE_LOST);
+        returned += series(&m, "timeoutd_publish_failures_total{reason=\"returned\"}");
+        claim_secs += series(&m, "timeoutd_claim_duration_seconds_sum");
+        claims += series(&m, "timeoutd_claim_duration_seconds_count");
+        duplicates += common::fleet::duplicates(&m);
+    }
+    for (p, d) in peak_kib.iter_mut().zip(&fleet) {
+        *p = (*p).max(d.peak_rss_kib().unwrap_or(0));
+    }
+    for d in fleet {
+        d.stop().await;
+    }
+    counter.settle(secs(1)).await;
+    let mut late = counter.lateness_ms();
+    late.sort_unstable();
+    let pct = |q: usize| late.get(late.len().saturating_sub(1) * q / 100).copied();
+    eprintln!(
+        "DEAD QUEUE: dead={DEAD} sends_returned={returned} live={} lease_lost={lease_lost} possible_duplicates={duplicates} live_lateness_p50_ms={:?} p99_ms={:?} max_ms={:?} peak_rss_mib={:?} claims={claims} mean_claim_ms={:.0}",
+        live.len(),
+        pct(50),
+        pct(99),
+        late.last(),
+        peak_kib.iter().map(|k| k / 1024).collect::<Vec<_>>(),
+        claim_secs * 1000.0 / claims.max(1.0)
+    );
+    assert!(returned > 0.0, "the dead queue's records were tried");
+    audit(
+        "a dead queue beside a live stream",
+        &live,
+        &counter,
+        duplicates,
+        &BTreeSet::new(),
+    );
+    assert_eq!(counter.duplicates(), 0, "the live stream exactly once");
+    assert_eq!(
+        lease_lost, 0.0,
+        "no lease lost: nothing waited past its lease"
+    );
+    assert_eq!(duplicates, 0.0, "no possible duplicate counted");
+    counter.close().await;
+    env.cleanup().await;
+}

@@ -34,10 +34,11 @@ pub fn triage(
 
 impl Dispatcher {
     /// Whether a claim may start once its time comes: the link is up and not blocked by the
-    /// broker, no claim is running, fewer than two batches are held, and less than a batch
-    /// waits to settle (a destination that refuses every send makes settling work as fast as
+    /// broker, no claim is running, and fewer than two batches are held and fewer than two
+    /// wait to settle (a destination that refuses every send makes settling work as fast as
     /// claims make records: the claims wait for it, so that nothing waits to settle until its
-    /// lease runs out). A claim may start while a wave publishes: it reads
+    /// lease runs out; two, so that while one batch of refusals settles, a claim that leaves
+    /// their destination out still serves the others). A claim may start while a wave publishes: it reads
     /// its candidates at once, but takes them ([`ProofGate`]) only once the broker has
     /// answered one of that wave's publishes, so the database is not idle while the broker
     /// works and an instance whose broker stalled hoards nothing.
@@ -47,9 +48,7 @@ impl Dispatcher {
             && !self.blocked
             && !self.claims.is_running()
             && self.held.len() < cap
-            && !self
-                .settle
-                .is_full(self.config.dispatch.batch_size as usize)
+            && !self.settle.is_full(cap)
             && !self.rate_saturated()
     }
 

@@ -35,11 +35,20 @@ impl Dispatcher {
         m::paused_destinations(paused.len());
     }
 
-    /// Destinations the next claim leaves out: the paused ones, and those with a send-rate
+    /// Destinations the next claim leaves out: the paused ones, those the broker refused
+    /// lately (see `Dispatcher::refusing`), and those with a send-rate
     /// limit of which this instance already holds what it may send over a poll interval
     /// and the look-ahead (more would only wait here, out of reach of other instances).
     pub(super) fn excluded_destinations(&self) -> Vec<String> {
         let mut excluded = self.control.paused.clone();
+        let now = Instant::now();
+        excluded.extend(
+            self.refusing
+                .iter()
+                .filter(|(d, until)| **until > now && !excluded.contains(d))
+                .map(|(d, _)| d.clone())
+                .collect::<Vec<_>>(),
+        );
         let d = &self.config.dispatch;
         let window = d.claim_window().as_secs_f64();
         let now_ms = self.store.clock().now().timestamp_millis();

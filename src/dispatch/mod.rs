@@ -40,6 +40,7 @@ mod summary;
 pub mod wakeup;
 mod wave;
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,7 +96,10 @@ enum Done {
         work: LinkWork,
     },
     Removed,
-    Settled,
+    /// Settling work ended; `refused`: the destination of a refused send it retried or parked.
+    Settled {
+        refused: Option<String>,
+    },
 }
 
 enum LinkWork {
@@ -145,6 +149,11 @@ pub struct Dispatcher {
     /// reconnects fine, and the hold-off must grow all the same (issue 25, 8.5).
     unconfirmed_backoff: Backoff,
     claims: ClaimSchedule,
+    /// Destinations whose last send the broker refused (no queue bound, or a nack), and until
+    /// when this instance's claims leave them out (`[retry] base` from the refusal): their
+    /// backlog, oldest first, would otherwise fill every claim and crowd out every other
+    /// destination (issue 25, 8.3, seen from outside). A confirmed send ends it.
+    refusing: HashMap<String, Instant>,
     /// When a claim may run again after one failed ([`crate::store::serverload`]).
     claim_pacing: Pacing,
     held: Held,
@@ -201,6 +210,7 @@ impl Dispatcher {
             link_backoff: Backoff::reconnect(),
             unconfirmed_backoff: Backoff::reconnect(),
             claims: ClaimSchedule::new(poll),
+            refusing: HashMap::new(),
             claim_pacing,
             held: Held::default(),
             in_flight: Vec::new(),
@@ -380,7 +390,10 @@ impl Dispatcher {
                 }
             }
             Done::Removed => self.removals -= 1,
-            Done::Settled => self.settling -= 1,
+            Done::Settled { refused } => {
+                self.settling -= 1;
+                self.leave_out(refused);
+            }
         }
     }
 
@@ -486,6 +499,7 @@ impl Dispatcher {
         {
             let (store, retry) = (self.store.clone(), self.config.retry.clone());
             let history = self.history.clone();
+            let refused = work.refused_destination();
             self.settling += 1;
             crate::host::spawn_in(&mut self.tasks, async move {
                 if AssertUnwindSafe(work.run(&store, &retry, history.as_ref()))
@@ -497,7 +511,7 @@ impl Dispatcher {
                         "settling a record panicked; it comes back when its lease expires"
                     );
                 }
-                Done::Settled
+                Done::Settled { refused }
             });
         }
     }

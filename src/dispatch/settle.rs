@@ -163,6 +163,14 @@ impl Settle {
         }
     }
 
+    /// The destination of a refused send this work retries or parks.
+    pub fn refused_destination(&self) -> Option<String> {
+        match self {
+            Settle::Refused { ready, .. } => Some(ready.record.destination.clone()),
+            Settle::Release { .. } | Settle::Park { .. } => None,
+        }
+    }
+
     /// The lease a retry or a parking needs (a release needs none: it may match nothing).
     fn lease(&self) -> Option<&Lease> {
         match self {

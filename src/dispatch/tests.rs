@@ -142,8 +142,8 @@ impl metrics::Recorder for Counts {
 
 /// Issue 25, 8.3: with a destination that refuses every send, each wave queued its whole batch
 /// of refused records to settle, and the next claim started all the same, so the queue grew
-/// without bound and records waited in it past their lease. Claims now wait while a batch
-/// waits to settle.
+/// without bound and records waited in it past their lease. Claims now wait while two
+/// batches wait to settle.
 #[tokio::test(start_paused = true)]
 async fn claims_wait_while_a_batch_waits_to_settle() {
     let mut config = Config::default();
@@ -153,7 +153,7 @@ async fn claims_wait_while_a_batch_waits_to_settle() {
     assert!(d.can_claim(), "nothing held, nothing to settle");
     let now = d.store.clock().now();
     let lease = Lease::new(now, Duration::from_secs(300));
-    for n in 0..10 {
+    for n in 0..20 {
         d.settle.push_back(refused(ready(n, now, lease)));
     }
     assert!(
@@ -163,8 +163,8 @@ async fn claims_wait_while_a_batch_waits_to_settle() {
     );
     // Confirmed records waiting for a removal slot count too.
     let _ = d.settle.pop_front();
-    assert!(d.can_claim(), "less than a batch waits");
-    d.settle.confirmed.push(ready(10, now, lease));
+    assert!(d.can_claim(), "less than two batches wait");
+    d.settle.confirmed.push(ready(20, now, lease));
     assert!(
         !d.can_claim(),
         "a confirmed record waiting for removal counts"
@@ -366,5 +366,61 @@ async fn a_waves_own_connect_yields_to_shutdown() {
     assert!(
         matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
         "{outcomes:?}"
+    );
+}
+
+/// Issue 25, 8.3, seen from outside: 20,000 records of a queue that is gone beside a live
+/// stream; the dead queue's records, oldest first, filled every claim, and their refusals
+/// (each counted and deferred, one write each) kept the claims busy: the live stream was not
+/// delivered at all in two minutes (`tests/faults.rs`, `a_dead_queue_beside_a_live_stream`).
+/// A destination the broker refused is now left out of this instance's claims for
+/// `[retry] base`; a confirmed send to it ends that at once.
+#[tokio::test(start_paused = true)]
+async fn a_destination_that_refuses_sends_is_left_out_of_claims_for_a_while() {
+    fn wave(d: &mut Dispatcher, n: i32, destination: &str, outcome: SendOutcome) {
+        let now = d.store.clock().now();
+        let mut r = ready(n, now, Lease::new(now, Duration::from_secs(300)));
+        r.record.destination = destination.into();
+        d.in_flight.push(r);
+        d.on_wave_sent(vec![outcome], vec![None], Duration::ZERO);
+    }
+    let config = Config::default();
+    let base = config.retry.base;
+    let mut d = dispatcher(config).await;
+    d.link_up = true;
+    assert!(d.excluded_destinations().is_empty());
+    wave(&mut d, 1, "gone", SendOutcome::Returned);
+    wave(&mut d, 2, "full", SendOutcome::Nacked);
+    wave(&mut d, 3, "live", SendOutcome::Confirmed);
+    let mut excluded = d.excluded_destinations();
+    excluded.sort();
+    assert_eq!(
+        excluded,
+        ["full", "gone"],
+        "refusing destinations are left out"
+    );
+    tokio::time::advance(base).await;
+    assert!(
+        d.excluded_destinations().is_empty(),
+        "tried again after [retry] base"
+    );
+    wave(&mut d, 4, "gone", SendOutcome::Returned);
+    assert_eq!(d.excluded_destinations(), ["gone"]);
+    // Its refusals take a while to settle: the window runs from the last one settled.
+    d.settling = 1;
+    tokio::time::advance(base - Duration::from_millis(1)).await;
+    d.on_finished(Done::Settled {
+        refused: Some("gone".into()),
+    });
+    tokio::time::advance(Duration::from_millis(2)).await;
+    assert_eq!(
+        d.excluded_destinations(),
+        ["gone"],
+        "left out until [retry] base after its last refusal settled"
+    );
+    wave(&mut d, 5, "gone", SendOutcome::Confirmed);
+    assert!(
+        d.excluded_destinations().is_empty(),
+        "a confirmed send ends it (the queue is back)"
     );
 }

@@ -54,6 +54,7 @@ impl Dispatcher {
         let mut any_confirmed = false;
         let mut summary = WaveSummary::default();
         let mut fired = Vec::new();
+        let mut refusing = Vec::new();
         for (i, (r, outcome)) in std::mem::take(&mut self.in_flight)
             .into_iter()
             .zip(outcomes)
@@ -75,10 +76,12 @@ impl Dispatcher {
                         let message_id = message_ids.get(i).cloned().flatten();
                         fired.push(history::fired(&r.id, &r.record, message_id, confirmed_at));
                     }
+                    self.refusing.remove(destination.as_str());
                     self.settle.confirmed.push(r);
                 }
                 SendOutcome::Returned | SendOutcome::Nacked => {
                     summary.refused += 1;
+                    refusing.push(destination.clone());
                     m::publish_failure(outcome.reason());
                     self.settle.push_back(Settle::Refused {
                         ready: Box::new(r),
@@ -106,6 +109,7 @@ impl Dispatcher {
             }
         }
         summary.log(took);
+        self.leave_out(refusing);
         if let Some(sink) = &self.history {
             sink.record(fired);
         }
@@ -119,6 +123,22 @@ impl Dispatcher {
             self.claims.hold_off(wait);
         } else if any_confirmed {
             self.unconfirmed_backoff.reset();
+        }
+    }
+
+    /// The broker refused sends to `destinations` (at the end of a wave, and again as each
+    /// refused record is settled): this instance's claims leave each out until `[retry] base`
+    /// after the last, so that a dead queue's backlog cannot fill every claim while its
+    /// refusals are settled, one or two writes each. Its records already held go on as they
+    /// are; a claim after the window tries it again.
+    pub(super) fn leave_out(&mut self, destinations: impl IntoIterator<Item = String>) {
+        let now = Instant::now();
+        self.refusing.retain(|_, until| *until > now);
+        let until = crate::deadline::later(now, self.config.retry.base);
+        for destination in destinations {
+            if self.refusing.insert(destination.clone(), until).is_none() {
+                tracing::warn!(%destination, retry_in = ?self.config.retry.base, "the broker refuses sends to this destination; leaving it out of claims for a while");
+            }
         }
     }
 

@@ -156,6 +156,13 @@ impl Daemon {
         }
     }
 
+    /// The process's peak resident memory (`VmHWM`) in KiB, while it runs.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
+
     pub fn sigterm(&self) {
         self.signal(libc::SIGTERM);
     }

@@ -494,7 +494,7 @@ fn due_registry() -> &'static std::sync::Mutex<std::collections::HashMap<String,
     DUE.get_or_init(Default::default)
 }
 
-fn remember_due(docs: &[Document]) {
+pub fn remember_due(docs: &[Document]) {
     let mut due = due_registry().lock().unwrap();
     for d in docs {
         let id = match d.get("_id") {
