@@ -257,7 +257,7 @@ impl Store {
 
     /// One driver call under `[mongodb] operation_timeout`, its error made a [`StoreError`]:
     /// the bound of every single query the store's own methods make.
-    pub(crate) async fn query<T>(
+    async fn query<T>(
         &self,
         call: impl std::future::IntoFuture<Output = Result<T, mongodb::error::Error>>,
     ) -> Result<T, StoreError> {
