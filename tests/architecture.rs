@@ -160,3 +160,55 @@ fn each_module_uses_only_lower_layers() {
     }
     assert!(checked > 100, "only {checked} paths found");
 }
+
+/// Whether a line of code opens an `impl` of `Store` (`impl Store`, `impl<T> crate::store::Store`,
+/// `impl Trait for Store`, ...).
+fn implements_store(line: &str) -> bool {
+    let code = line.split("//").next().unwrap_or("");
+    let Some(rest) = code.trim_start().strip_prefix("impl") else {
+        return false;
+    };
+    let mut rest = rest.trim_start();
+    if let Some(generic) = rest.strip_prefix('<') {
+        rest = generic.split_once('>').map_or("", |(_, r)| r).trim_start();
+    }
+    let ty = rest.rsplit(" for ").next().unwrap_or(rest);
+    let ty = ty.split(['{', '<', ' ']).next().unwrap_or("");
+    ty.rsplit("::").next() == Some("Store")
+}
+
+/// Only `src/store/` names a collection or builds a query: `Store` is extended there and
+/// nowhere else (its fields are private to `store/`, which the compiler enforces).
+#[test]
+fn only_the_store_extends_store() {
+    assert!(implements_store("impl Store {"));
+    assert!(implements_store("    impl<'a> crate::store::Store {"));
+    assert!(!implements_store("impl StoreError {"));
+    assert!(!implements_store("// impl Store {"));
+    let mut outside = Vec::new();
+    let mut files = 0;
+    let mut dirs = vec![repo("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("dir") {
+            let path = entry.expect("entry").path();
+            if path == repo("src/store") {
+                continue;
+            }
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files += 1;
+                let text = std::fs::read_to_string(&path).expect("read");
+                if text.lines().any(implements_store) {
+                    outside.push(path.display().to_string());
+                }
+            }
+        }
+    }
+    assert!(files > 20, "only {files} files outside src/store/");
+    outside.sort();
+    assert!(
+        outside.is_empty(),
+        "`impl Store` outside src/store/ (only store/ names a collection or builds a query): {outside:?}"
+    );
+}

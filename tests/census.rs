@@ -56,7 +56,7 @@ async fn a_stuck_lock_is_freed_only_after_a_whole_lease_keeping_its_shape() {
     nulled.insert("Locked", true); // LockExpiresAt: null
     env.insert(vec![stuck.clone(), nulled]).await;
     let store = store_with(&env.config()).await;
-    let census = timeoutd::maintenance::census::CensusState::default();
+    let census = timeoutd::store::census::CensusState::default();
     assert_eq!(
         store
             .free_stuck(&census, Duration::from_secs(3_600))
@@ -207,7 +207,7 @@ async fn records_with_an_odd_locked_are_counted_named_and_left_alone() {
     assert_eq!(store.stats().await.unwrap().odd_locked, 3);
     assert_eq!(
         store
-            .census(&timeoutd::maintenance::census::CensusState::default())
+            .census(&timeoutd::store::census::CensusState::default())
             .await
             .unwrap()
             .odd_locked,

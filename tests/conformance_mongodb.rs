@@ -315,7 +315,7 @@ fn query_surface(now: DateTime) -> Vec<(String, Document)> {
     }
     out.push((
         "odd_locked".into(),
-        timeoutd::maintenance::census::odd_locked_filter(),
+        timeoutd::store::census::odd_locked_filter(),
     ));
     out.push(("any date".into(), doc! { "Time": { "$type": "date" } }));
     out.push((
@@ -324,7 +324,7 @@ fn query_surface(now: DateTime) -> Vec<(String, Document)> {
     ));
     out.push((
         "destination and correlation".into(),
-        doc! { "$and": timeoutd::operator::listing::field_clauses(Some("q"), Some(seeded_uuid(1))) },
+        doc! { "$and": timeoutd::store::listing::field_clauses(Some("q"), Some(seeded_uuid(1))) },
     ));
     out
 }

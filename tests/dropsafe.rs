@@ -14,9 +14,9 @@ use std::time::Duration;
 use bson::{DateTime, doc};
 use common::csharp::{offset_record, public_record};
 use common::*;
-use timeoutd::operator::ops::{Move, Selector};
 use timeoutd::store::Store;
 use timeoutd::store::clock::ServerClock;
+use timeoutd::store::edit::{Move, Selector};
 use timeoutd::store::shapes::REFRESH_WHILE_EMPTY;
 use uuid::Uuid;
 
@@ -152,7 +152,7 @@ async fn a_record_rescheduled_after_its_claim_read_it_is_not_taken_at_its_old_ti
     assert_eq!(moved[0].outcome, "rescheduled");
     let offset_due = DateTime::from_millis(due.timestamp_millis() + 30_000);
     let offset_doc = env.find(offset).await.expect("offset record");
-    let new_time = timeoutd::operator::ops::same_shape(offset_doc.get("Time").unwrap(), offset_due)
+    let new_time = timeoutd::store::edit::same_shape(offset_doc.get("Time").unwrap(), offset_due)
         .expect("same shape");
     env.coll
         .update_one(

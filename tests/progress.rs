@@ -9,7 +9,7 @@ mod common;
 
 use common::csharp::store_with;
 use common::*;
-use timeoutd::operator::control::Actor;
+use timeoutd::store::control::Actor;
 use uuid::Uuid;
 
 fn actor() -> Actor {

@@ -9,15 +9,14 @@ use std::path::Path;
 use std::sync::Arc;
 use tokio::time::Instant;
 
-use bson::doc;
 use serde::Serialize;
 
 use crate::config::{Config, ENV_PREFIX, resolve_path};
 use crate::dispatch::lapinlink::LapinBroker;
 use crate::dispatch::publisher::Publisher;
 use crate::redact::redact_text;
+use crate::store::Store;
 use crate::store::clock::ServerClock;
-use crate::store::{Store, StoreError};
 
 /// Where the configuration came from.
 #[derive(Debug, Serialize)]
@@ -152,7 +151,7 @@ async fn reach_mongodb(config: &Config) -> Reached {
         .await;
     let version = match &offset {
         Ok(_) => store
-            .bounded("read the server version", server_version(&store))
+            .bounded("read the server version", store.server_version())
             .await
             .ok(),
         Err(_) => None,
@@ -171,14 +170,6 @@ async fn reach_mongodb(config: &Config) -> Reached {
         },
         Err(e) => failed(started, &e),
     }
-}
-
-/// The server's version, from `buildInfo`.
-async fn server_version(store: &Store) -> Result<String, StoreError> {
-    let reply = store
-        .run_command(store.command(doc! { "buildInfo": 1 }))
-        .await?;
-    Ok(reply.get_str("version").unwrap_or("unknown").to_string())
 }
 
 async fn reach_rabbitmq(config: &Config) -> Reached {

@@ -1,6 +1,6 @@
 //! Pausing and resuming destinations on the command line (`pause`, `resume`, `paused`), and
 //! `stats` with the paused destinations' backlog. Each action is logged with who ran it and
-//! recorded in the control collection ([`crate::operator::control`]).
+//! recorded in the control collection ([`crate::store::control`]).
 
 use std::time::Duration;
 
@@ -8,10 +8,10 @@ use bson::{DateTime, doc};
 use clap::Args;
 
 use crate::cli::opscli::{parse_destination, parse_instant};
-use crate::operator::control::Actor;
-use crate::operator::listing::show_instant;
-use crate::operator::ops::OpsError;
 use crate::store::Store;
+use crate::store::control::Actor;
+use crate::store::edit::OpsError;
+use crate::store::listing::show_instant;
 
 /// `timeoutd pause`.
 #[derive(Debug, Args)]

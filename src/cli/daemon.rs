@@ -427,7 +427,7 @@ async fn monitor(
                 tokio::try_join!(
                     store.read_backlog(
                         &shapes,
-                        crate::maintenance::census::BACKLOG_COUNTED_UP_TO,
+                        crate::store::census::BACKLOG_COUNTED_UP_TO,
                         &rate_limited
                     ),
                     store.bounded("count parked records", parking.count())

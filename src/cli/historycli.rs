@@ -1,112 +1,20 @@
 //! `timeoutd history`: what fired (and what was parked or cancelled), newest first, read from
-//! `<collection>_history` ([`crate::store::history`]); and the rows `cancel` adds there.
+//! `<collection>_history` ([`crate::store::history::read`]); and the rows `cancel` adds there.
 //!
 //! Exit codes as every command: 0 done (no rows included), 1 a runtime failure, 2 bad input.
 
 use std::time::Duration;
 
-use bson::{Bson, DateTime, Document, doc};
+use bson::DateTime;
 use clap::Args;
-use serde::Serialize;
 use uuid::Uuid;
 
 use crate::cli::opscli::{dash, parse_destination, parse_instant};
-use crate::operator::control::Actor;
-use crate::operator::listing::show_instant;
-use crate::operator::ops::Outcome;
-use crate::store::history::{Ended, event, field, int};
-use crate::store::{Store, StoreError};
-
-/// What `timeoutd history` selects.
-#[derive(Debug, Clone, Default)]
-pub struct Filter {
-    pub correlation_id: Option<String>,
-    pub timeout_id: Option<String>,
-    pub destination: Option<String>,
-    pub since: Option<DateTime>,
-    pub limit: i64,
-}
-
-/// One row as `timeoutd history` shows it. Every field may be missing or of the wrong type
-/// in a stored row: it is then shown as absent.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Entry {
-    pub event: String,
-    /// RFC 3339.
-    pub at: Option<String>,
-    pub timeout_id: String,
-    pub correlation_id: Option<String>,
-    pub destination: Option<String>,
-    pub due: Option<String>,
-    pub late_ms: Option<i64>,
-    pub attempts: Option<i64>,
-    pub message_id: Option<String>,
-    pub instance: Option<String>,
-    pub reason: Option<String>,
-    pub detail: Option<String>,
-}
-
-fn text(d: &Document, key: &str) -> Option<String> {
-    match d.get(key) {
-        Some(Bson::String(s)) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-fn instant(d: &Document, key: &str) -> Option<String> {
-    match d.get(key) {
-        Some(Bson::DateTime(t)) => show_instant(*t),
-        _ => None,
-    }
-}
-
-impl Entry {
-    pub fn from_doc(d: &Document) -> Self {
-        Self {
-            event: text(d, field::EVENT).unwrap_or_else(|| "-".into()),
-            at: instant(d, field::AT),
-            timeout_id: text(d, field::TIMEOUT_ID).unwrap_or_else(|| "-".into()),
-            correlation_id: text(d, field::CORRELATION_ID),
-            destination: text(d, field::DESTINATION),
-            due: instant(d, field::DUE),
-            late_ms: int(d, field::LATE_MS),
-            attempts: int(d, field::ATTEMPTS),
-            message_id: text(d, field::MESSAGE_ID),
-            instance: text(d, field::INSTANCE),
-            reason: text(d, field::REASON),
-            detail: text(d, field::DETAIL),
-        }
-    }
-}
-
-impl Store {
-    /// Rows of `timeoutd history`, newest first.
-    pub async fn read_history(&self, f: &Filter) -> Result<Vec<Entry>, StoreError> {
-        let mut filter = Document::new();
-        for (key, value) in [
-            (field::CORRELATION_ID, &f.correlation_id),
-            (field::TIMEOUT_ID, &f.timeout_id),
-            (field::DESTINATION, &f.destination),
-        ] {
-            if let Some(v) = value {
-                filter.insert(key, v);
-            }
-        }
-        if let Some(since) = f.since {
-            filter.insert(field::AT, doc! { "$gte": since });
-        }
-        let docs: Vec<Document> = self
-            .query(
-                self.history()
-                    .find(filter)
-                    .sort(doc! { field::AT: -1 })
-                    .limit(f.limit)
-                    .max_time(self.server_limit()),
-            )
-            .await?;
-        Ok(docs.iter().map(Entry::from_doc).collect())
-    }
-}
+use crate::store::Store;
+use crate::store::control::Actor;
+use crate::store::edit::Outcome;
+use crate::store::history::read::{Entry, Filter};
+use crate::store::history::{Ended, event};
 
 /// `--since`: an instant, or how far back from now.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -183,7 +91,7 @@ fn print(e: &Entry) {
 
 /// `timeoutd history`.
 pub async fn history(store: &Store, a: HistoryArgs) -> anyhow::Result<()> {
-    if !store.history_on {
+    if !store.history_on() {
         tracing::warn!(
             "[history] keep is 0s (off) in this configuration: this instance records nothing; showing what is stored"
         );
@@ -227,7 +135,7 @@ pub async fn history(store: &Store, a: HistoryArgs) -> anyhow::Result<()> {
 /// With history on, records the records `cancel` deleted, with the operator's reason and who
 /// ran it. A failed write is reported, and the cancel stands.
 pub async fn record_cancelled(store: &Store, outcomes: &[Outcome], reason: Option<&str>) {
-    if !store.history_on {
+    if !store.history_on() {
         return;
     }
     let by = Actor::current().label();

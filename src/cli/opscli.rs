@@ -1,6 +1,6 @@
 //! The operator commands on the command line: `list`, `cancel`, `reschedule` (and, in
 //! [`crate::cli::controlcli`], `pause`, `resume`, `paused`). Each action that changes something is
-//! logged with who ran it and recorded in the control collection ([`crate::operator::control`]).
+//! logged with who ran it and recorded in the control collection ([`crate::store::control`]).
 //!
 //! Exit codes: 0 done; 1 a runtime failure; 2 bad input (an unknown id, a malformed instant,
 //! an empty destination); 3 records under a live lease were left as they are (not with
@@ -12,10 +12,10 @@ use bson::{DateTime, doc};
 use clap::Args;
 use uuid::Uuid;
 
-use crate::operator::control::Actor;
-use crate::operator::listing::{ListFilter, Listed, State, show_instant};
-use crate::operator::ops::{Move, OpsError, Outcome, Selector};
 use crate::store::Store;
+use crate::store::control::Actor;
+use crate::store::edit::{Move, OpsError, Outcome, Selector};
+use crate::store::listing::{ListFilter, Listed, State, show_instant};
 
 /// `--limit` when not given.
 pub const DEFAULT_LIMIT: u32 = 100;

@@ -1,16 +1,16 @@
 //! `timeoutd parked list|requeue|drop` on the command line. `requeue` and `drop` move or
 //! delete records: like `cancel`, they take `--dry-run` and `--reason`, and each run that
 //! changes something is logged with who ran it and recorded in the control collection's audit
-//! ([`crate::operator::control`]). An id no parked record has is bad input (exit 2).
+//! ([`crate::store::control`]). An id no parked record has is bad input (exit 2).
 
 use bson::{Bson, doc};
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
-use crate::operator::control::Actor;
-use crate::operator::ops::OpsError;
 use crate::record::display_id;
 use crate::store::Store;
+use crate::store::control::Actor;
+use crate::store::edit::OpsError;
 use crate::store::parking::Requeued;
 
 #[derive(Debug, Subcommand)]

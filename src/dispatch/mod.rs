@@ -174,7 +174,7 @@ pub struct Dispatcher {
     drain_over: CancellationToken,
     failed: Option<String>,
     /// The pauses and ramps last applied ([`control`]).
-    control: Arc<crate::operator::control::Snapshot>,
+    control: Arc<crate::store::control::Snapshot>,
     /// Where the control watcher leaves the latest pauses and ramps.
     control_state: Arc<crate::operator::control::ControlState>,
     limits: crate::dispatch::ratelimit::RateLimits,

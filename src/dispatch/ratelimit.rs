@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::DispatchConfig;
-use crate::operator::control::Ramp;
+use crate::store::control::Ramp;
 
 /// Records per second at the start of a resume ramp.
 pub const TRICKLE: f64 = 1.0;

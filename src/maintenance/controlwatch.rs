@@ -38,9 +38,7 @@ pub async fn watch(
         if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
             opened_at = Some(tokio::time::Instant::now());
             stream = store
-                .bounded("watch the control collection", async {
-                    Ok(store.control.watch(Vec::new()).await?)
-                })
+                .bounded("watch the control collection", store.watch_control())
                 .await
                 .ok();
         }

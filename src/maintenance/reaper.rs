@@ -3,7 +3,7 @@
 //! claimable again. Every [`CENSUS_INTERVAL`] (or each pass, if that comes more often) it
 //! frees the records locked with no lease expiry (left by ServiceConnect's own poller) once
 //! they stayed so for a whole lease, and takes the census of records nothing fires on its own
-//! ([`crate::maintenance::census`]) and sets its gauges.
+//! ([`crate::store::census`]) and sets its gauges.
 //!
 //! The expired-lease query is one index range (`LockExpiresAt`). The other two are not: the
 //! census counts records whose `Time` no due branch matches with a `$nor` no index serves (a
@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::maintenance::census::CensusState;
 use crate::metrics as m;
+use crate::store::census::CensusState;
 use crate::store::serverload::Pacing;
 use crate::store::{Store, StoreError};
 

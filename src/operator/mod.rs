@@ -1,8 +1,6 @@
-//! What operators do to records and destinations, as library calls: `list` (`listing`),
-//! `cancel` and `reschedule` (`ops`), pauses, ramps and the audit of operator actions
-//! (`control`). Each is an extension of [`crate::store::Store`] that keeps to the lease
-//! rules; the command line (`crate::cli`) and the daemon's tasks call them.
+//! What operators do to records and destinations. The queries behind `list`, `cancel`,
+//! `reschedule`, pauses, ramps and the audit are the store's ([`crate::store::listing`],
+//! [`crate::store::edit`], [`crate::store::control`]); here is what the instance's tasks share
+//! of them: [`control::ControlState`], the pauses in force.
 
 pub mod control;
-pub mod listing;
-pub mod ops;

@@ -9,7 +9,7 @@
 //!
 //! Records of paused destinations are counted apart (`timeoutd_paused_backlog`), so that a
 //! planned pause pages no one and a wedge always does. Every count stops at
-//! [`crate::maintenance::census::BACKLOG_COUNTED_UP_TO`]; the oldest due records are one index seek per
+//! [`crate::store::census::BACKLOG_COUNTED_UP_TO`]; the oldest due records are one index seek per
 //! `Time` shape (while something is paused, the seek walks past the paused records due before
 //! the first other one, as the claim's read from the start does).
 

@@ -8,15 +8,19 @@
 
 pub mod backend;
 pub mod backlog;
+pub mod census;
 pub mod claim;
 pub mod clock;
 pub mod coll;
+pub mod control;
 pub mod driver;
 pub mod durability;
+pub mod edit;
 pub mod head;
 pub mod history;
 pub mod indexes;
 pub mod lease;
+pub mod listing;
 pub mod parking;
 pub mod serverload;
 pub mod shapes;
@@ -65,30 +69,30 @@ pub enum StoreError {
 #[derive(Debug, Clone)]
 pub struct Store {
     /// MongoDB: the driver, or a model ([`crate::store::backend`]).
-    pub(crate) backend: Arc<dyn Backend>,
+    backend: Arc<dyn Backend>,
     /// `[mongodb] database`.
-    pub(crate) database: Arc<str>,
-    pub(crate) coll: Coll,
-    pub(crate) parked: Coll,
-    pub(crate) attempts: Coll,
+    database: Arc<str>,
+    coll: Coll,
+    parked: Coll,
+    attempts: Coll,
     /// timeoutd's control collection: pauses, ramps and the audit of operator actions.
-    pub(crate) control: Coll,
+    control: Coll,
     /// The same collection in the other spelling of the ServiceConnect database, when the
     /// backend can reach it (the driver): read once, for a warning ([`crate::store::indexes`]).
-    pub(crate) other_spelling: Option<(&'static str, Coll)>,
-    pub(crate) encoding: TimeEncoding,
-    pub(crate) uuids: UuidRepresentation,
-    pub(crate) decoding: Decoding,
-    pub(crate) clock: ServerClock,
-    pub(crate) window: Arc<ReadWindow>,
+    other_spelling: Option<(&'static str, Coll)>,
+    encoding: TimeEncoding,
+    uuids: UuidRepresentation,
+    decoding: Decoding,
+    clock: ServerClock,
+    window: Arc<ReadWindow>,
     /// Where claims start reading while destinations are left out ([`crate::store::head`]).
-    pub(crate) head: Arc<crate::store::head::PausedHead>,
+    head: Arc<crate::store::head::PausedHead>,
     lock_lease: Duration,
-    pub(crate) shapes: Arc<ShapeCache>,
+    shapes: Arc<ShapeCache>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
     /// `[history] keep` is set: fired, parked and cancelled timeouts are recorded.
-    pub(crate) history_on: bool,
+    history_on: bool,
     /// The write concern and read preference the URI set, for [`Store::durability_risks`].
     write_concern: Option<mongodb::options::WriteConcern>,
     selection: Option<mongodb::options::SelectionCriteria>,
@@ -159,6 +163,11 @@ impl Store {
     /// `[dispatch] lock_lease`, as given to [`Store::with_settings`].
     pub fn lock_lease(&self) -> Duration {
         self.lock_lease
+    }
+
+    /// `[history] keep` is set: this instance records fired, parked and cancelled timeouts.
+    pub fn history_on(&self) -> bool {
+        self.history_on
     }
 
     /// How records are decoded.
@@ -236,19 +245,19 @@ impl Store {
     }
 
     /// A database command with its `maxTimeMS` ([`Store::server_limit`]).
-    pub(crate) fn command(&self, mut command: Document) -> Document {
+    fn command(&self, mut command: Document) -> Document {
         command.insert("maxTimeMS", max_time_ms(self.server_limit()));
         command
     }
 
     /// Runs one database command (no deadline of its own: callers bound it).
-    pub(crate) async fn run_command(&self, command: Document) -> Result<Document, StoreError> {
+    async fn run_command(&self, command: Document) -> Result<Document, StoreError> {
         Ok(self.backend.command(command).await?)
     }
 
     /// One driver call under `[mongodb] operation_timeout`, its error made a [`StoreError`]:
     /// the bound of every single query the store's own methods make.
-    pub(crate) async fn query<T>(
+    async fn query<T>(
         &self,
         call: impl std::future::IntoFuture<Output = Result<T, mongodb::error::Error>>,
     ) -> Result<T, StoreError> {
@@ -290,6 +299,14 @@ impl Store {
             self.write_concern.as_ref(),
             self.selection.as_ref(),
         ))
+    }
+
+    /// The server's version, from `buildInfo` (no deadline of its own: callers bound it).
+    pub async fn server_version(&self) -> Result<String, StoreError> {
+        let reply = self
+            .run_command(self.command(doc! { "buildInfo": 1 }))
+            .await?;
+        Ok(reply.get_str("version").unwrap_or("unknown").to_string())
     }
 
     /// Reads the server's clock (`hello.localTime`) and updates the offset estimate. Takes

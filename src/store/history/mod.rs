@@ -11,6 +11,8 @@
 //! slow that [`QUEUED_WAVES`] waves wait, further rows are dropped and counted
 //! (`reason="backlog"`) rather than held in memory.
 
+pub mod read;
+
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};

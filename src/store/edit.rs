@@ -16,8 +16,8 @@ use bson::{Bson, DateTime, Document, doc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::operator::listing::{Listed, describe, field_clauses, is_free, show_instant};
 use crate::record::field;
+use crate::store::listing::{Listed, describe, field_clauses, is_free, show_instant};
 use crate::store::{Store, StoreError};
 use crate::{record::due, store::lease};
 

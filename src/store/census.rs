@@ -3,7 +3,7 @@
 //! lease expiry (stuck, left by ServiceConnect's own poller), and `Locked` missing or not a
 //! boolean with no lease expiry (odd: no claim and no reaper pass matches them, and timeoutd
 //! never writes to a record it cannot claim under the lease rules, so they are counted and
-//! named, not changed). The reaper ([`crate::maintenance::reaper`]) takes the census and frees stuck
+//! named, not changed). The reaper (`crate::maintenance::reaper`) takes the census and frees stuck
 //! records. The monitor's backlog gauges are [`crate::store::backlog`].
 
 use std::collections::{HashMap, HashSet};
