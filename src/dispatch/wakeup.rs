@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::record::TimeoutRecord;
 use crate::store::Store;
-use crate::store::follow::{Followed, follow};
+use crate::store::follow::{Change, Followed, follow};
 
 const INSERTS: Followed = Followed {
     open: "open the change stream",
@@ -27,7 +27,10 @@ pub async fn run(
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
-    let on_insert = |event: bson::Document| {
+    let on_insert = |change: Change| {
+        let Change::Event(event) = change else {
+            return; // inserts meanwhile are claimed by the next poll
+        };
         let due = event
             .get_document("fullDocument")
             .ok()

@@ -33,7 +33,8 @@ pub async fn watch(
     changed: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
-    // A write reported by the change stream: read now rather than at the next interval.
+    // A write reported by the change stream, or the stream lost (a write may have gone
+    // unseen): read now rather than at the next interval.
     let written = Notify::new();
     let follower = follow(
         &store,

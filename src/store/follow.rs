@@ -1,7 +1,8 @@
 //! Following a change stream, one policy for every follower (the insert wake-ups,
 //! [`crate::dispatch::wakeup`]; the control watcher, [`crate::maintenance::controlwatch`]):
 //! open the stream under `[mongodb] operation_timeout` ([`Store::bounded`]), hand each event to
-//! the caller, and after a failure or the stream's end open it again one [`REOPEN`] later (a
+//! the caller (and each loss of an open stream), and after a failure or the stream's end open it
+//! again one [`REOPEN`] later (a
 //! failed open waits the longer of that and its [`Pacing`] back-off). Where the server has no
 //! change streams (a standalone MongoDB) this is said once at info, then at debug while it
 //! lasts; polling alone serves. Every wait yields to shutdown, and nothing outlives a drop.
@@ -20,6 +21,15 @@ use crate::store::{Store, StoreError};
 /// How long to wait before opening a change stream again after it failed or ended.
 pub const REOPEN: Duration = Duration::from_secs(30);
 
+/// What a follower hands its caller.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    /// One change event as the server sent it.
+    Event(Document),
+    /// The open stream failed or ended: changes may go unseen until it is open again.
+    Lost,
+}
+
 /// Which change stream a follower follows, as its logs name it.
 #[derive(Debug, Clone, Copy)]
 pub struct Followed {
@@ -31,17 +41,17 @@ pub struct Followed {
     pub unavailable: &'static str,
 }
 
-/// Follows the change stream `open` opens until `shutdown`, handing each event to `on_event`.
-/// Returns at shutdown, never before.
+/// Follows the change stream `open` opens until `shutdown`, handing each event, and each loss
+/// of an open stream, to `on_change`. Returns at shutdown, never before.
 pub async fn follow<O, E>(
     store: &Store,
     followed: Followed,
     open: O,
-    mut on_event: E,
+    mut on_change: E,
     shutdown: &CancellationToken,
 ) where
     O: for<'a> Fn(&'a Store) -> BoxFuture<'a, Result<ChangeStream, StoreError>>,
-    E: FnMut(Document),
+    E: FnMut(Change),
 {
     let mut told = false;
     let mut opening = Pacing::new(store.operation_timeout());
@@ -62,12 +72,16 @@ pub async fn follow<O, E>(
                         _ = shutdown.cancelled() => return,
                     };
                     match event {
-                        Some(Ok(event)) => on_event(event),
+                        Some(Ok(event)) => on_change(Change::Event(event)),
                         Some(Err(e)) => {
                             tracing::warn!(error = %e, stream = followed.what, "change stream failed; reopening");
+                            on_change(Change::Lost);
                             break;
                         }
-                        None => break,
+                        None => {
+                            on_change(Change::Lost);
+                            break;
+                        }
                     }
                 }
             }
@@ -120,8 +134,8 @@ mod tests {
         let task = {
             let (opens, shutdown, seen) = (opens.clone(), shutdown.clone(), seen.clone());
             crate::host::spawn(async move {
-                let on_event = |d: Document| {
-                    seen.lock().unwrap_or_else(|e| e.into_inner()).push(d);
+                let on_event = |c: Change| {
+                    seen.lock().unwrap_or_else(|e| e.into_inner()).push(c);
                 };
                 // Each open: a stream of one event, numbered by the open, that then ends.
                 let open = |_: &Store| {
@@ -144,7 +158,8 @@ mod tests {
         tokio::time::sleep(REOPEN).await;
         assert_eq!(opens.load(Ordering::SeqCst), 2);
         let seen = seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        assert_eq!(seen, vec![doc! { "n": 0 }, doc! { "n": 1 }]);
+        let event = |n: i32| Change::Event(doc! { "n": n });
+        assert_eq!(seen, vec![event(0), Change::Lost, event(1), Change::Lost]);
         shutdown.cancel();
         task.await.expect("the follower returns at shutdown");
     }
