@@ -1,11 +1,11 @@
 //! Following a change stream, one policy for every follower (the insert wake-ups,
 //! [`crate::dispatch::wakeup`]; the control watcher, [`crate::maintenance::controlwatch`]):
-//! open the stream under `[mongodb] operation_timeout` ([`Store::bounded`]), hand each event to
-//! the caller (and each loss of an open stream), and after a failure or the stream's end open it
-//! again one [`REOPEN`] later (a
-//! failed open waits the longer of that and its [`Pacing`] back-off). Where the server has no
-//! change streams (a standalone MongoDB) this is said once at info, then at debug while it
-//! lasts; polling alone serves. Every wait yields to shutdown, and nothing outlives a drop.
+//! open the stream under `[mongodb] operation_timeout` ([`Store::bounded`]), hand each event,
+//! and each loss of an open stream, to the caller, and after a failure or the stream's end open
+//! it again one [`REOPEN`] later (a failed open waits the longer of that and its [`Pacing`]
+//! back-off). Where the server has no change streams (a standalone MongoDB) this is said once
+//! at info, then at debug while it lasts; polling alone serves. Every wait yields to shutdown,
+//! and nothing outlives a drop.
 
 use std::time::Duration;
 
