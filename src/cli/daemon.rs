@@ -11,8 +11,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::dispatch::Dispatcher;
 use crate::dispatch::publisher::Publisher;
+use crate::dispatch::{Dispatcher, Signals};
 use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::operator::control::ControlState;
@@ -299,14 +299,15 @@ async fn start(
             tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
         }
     }
-    let wake = Arc::new(tokio::sync::Notify::new());
+    // The dispatch loop's inputs besides its own tasks: inserts due soon, control changes.
+    let signals = Signals::default();
     tasks.spawn(
         "control",
         ok(crate::maintenance::controlwatch::watch(
             store.clone(),
             control.clone(),
             config.dispatch.poll_interval,
-            wake.clone(),
+            signals.control.clone(),
             shutdown.clone(),
         )),
     );
@@ -315,7 +316,7 @@ async fn start(
         ok(wakeup::run(
             store.clone(),
             config.dispatch.look_ahead(),
-            wake.clone(),
+            signals.inserted.clone(),
             shutdown.clone(),
         )),
     );
@@ -326,7 +327,7 @@ async fn start(
         publisher,
         health.clone(),
         shutdown.clone(),
-        wake,
+        signals,
     )
     .with_history(history);
     tasks.spawn("dispatch", dispatcher.run());

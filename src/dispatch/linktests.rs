@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Dispatcher, Done};
+use super::{Dispatcher, Done, Signals};
 use crate::config::Config;
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::publisher::tests::fake::FakeBroker;
@@ -29,7 +29,7 @@ async fn over_fake_broker(broker: Arc<FakeBroker>) -> (Dispatcher, Arc<Health>, 
         publisher,
         health.clone(),
         shutdown.clone(),
-        Arc::new(tokio::sync::Notify::new()),
+        Signals::default(),
     );
     (d, health, shutdown)
 }

@@ -120,10 +120,22 @@ enum Event {
     Finished(Result<Done, JoinError>),
     /// The change stream saw a record inserted due before the next poll.
     WokenUp,
+    /// The control watcher read new pauses or ramps.
+    ControlChanged,
     /// The soonest held record fell due.
     Due,
     /// A poll, a reconnect or a heartbeat is due.
     Tick,
+}
+
+/// What tells the loop to look again before its next poll, one signal per source: the daemon
+/// makes them and hands each to the task that sends it.
+#[derive(Debug, Clone, Default)]
+pub struct Signals {
+    /// A record was inserted due within the look-ahead ([`wakeup`]).
+    pub inserted: Arc<Notify>,
+    /// The pauses or ramps in force changed (the control watcher).
+    pub control: Arc<Notify>,
 }
 
 /// The dispatch loop's state. One per process.
@@ -132,7 +144,7 @@ pub struct Dispatcher {
     store: Store,
     health: Arc<Health>,
     shutdown: CancellationToken,
-    wake: Arc<Notify>,
+    signals: Signals,
     /// The RabbitMQ link; `None` while a background task uses it (one wave at a time, so that
     /// returns are matched to their own wave's messages).
     publisher: Option<Publisher>,
@@ -190,7 +202,7 @@ impl Dispatcher {
         publisher: Publisher,
         health: Arc<Health>,
         shutdown: CancellationToken,
-        wake: Arc<Notify>,
+        signals: Signals,
     ) -> Self {
         let poll = config.dispatch.poll_interval;
         let claim_pacing = Pacing::new(config.mongodb.operation_timeout);
@@ -200,7 +212,7 @@ impl Dispatcher {
             store,
             health,
             shutdown,
-            wake,
+            signals,
             frame_max: publisher.frame_max(),
             watch: publisher.watch(),
             blocked: false,
@@ -325,7 +337,8 @@ impl Dispatcher {
         tokio::select! {
             _ = self.shutdown.cancelled(), if !stopping => Event::Shutdown,
             Some(done) = self.tasks.join_next() => Event::Finished(done),
-            _ = self.wake.notified(), if !stopping => Event::WokenUp,
+            _ = self.signals.inserted.notified(), if !stopping => Event::WokenUp,
+            _ = self.signals.control.notified(), if !stopping => Event::ControlChanged,
             _ = tokio::time::sleep_until(due_at.unwrap_or(now)), if due_at.is_some() => Event::Due,
             _ = tokio::time::sleep_until(tick) => Event::Tick,
         }
@@ -358,6 +371,10 @@ impl Dispatcher {
             Event::Finished(Ok(done)) => self.on_finished(done),
             Event::Finished(Err(e)) => self.on_task_died(e),
             Event::WokenUp => self.claims.wake(),
+            Event::ControlChanged => {
+                self.apply_control();
+                self.claims.wake();
+            }
             // Due records and due claims are started by `start_work` at the top of the loop.
             Event::Due | Event::Tick => {}
         }

@@ -9,13 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{Bson, doc};
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::held::Ready;
 use super::settle::{self, Settle};
-use super::{Dispatcher, Done, LinkWork, MAX_SETTLING};
+use super::{Dispatcher, Done, LinkWork, MAX_SETTLING, Signals};
 use crate::config::Config;
 use crate::dispatch::publisher::{Publisher, SendOutcome};
 use crate::record::TimeoutRecord;
@@ -38,7 +37,7 @@ async fn dispatcher(config: Config) -> Dispatcher {
         publisher,
         health,
         CancellationToken::new(),
-        Arc::new(Notify::new()),
+        Signals::default(),
     )
 }
 

@@ -391,7 +391,7 @@ mod tests {
             publisher,
             health,
             CancellationToken::new(),
-            Arc::new(tokio::sync::Notify::new()),
+            crate::dispatch::Signals::default(),
         );
         assert_eq!(
             d.frame_max,

@@ -1,69 +1,73 @@
 //! The daemon task that keeps each instance obeying the control collection
 //! ([`crate::operator::control`]): it reads the pauses and ramps every poll interval, and at once when
-//! the collection's change stream (where the server has one) reports a write.
+//! the collection's change stream (where the server has one; [`crate::store::follow`]) reports a
+//! write.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::operator::control::ControlState;
 use crate::store::Store;
 use crate::store::StoreError;
+use crate::store::follow::{Followed, follow};
 use crate::store::serverload::Pacing;
 
-/// How long to wait before opening the control collection's change stream again.
-const REOPEN_STREAM: Duration = Duration::from_secs(30);
+const CONTROL: Followed = Followed {
+    open: "watch the control collection",
+    what: "the control collection",
+    unavailable: "no change stream on the control collection: pauses and ramps are read every poll interval",
+};
 
 /// Reads the control collection every `interval` until shutdown, and at once when its change
-/// stream (where the server has one) reports a write, into `state`; logs
-/// each change and signals `changed` (the dispatch loop's wake-up, so it applies the change
-/// and claims at once).
+/// stream (where the server has one) reports a write, into `state`; logs each change and
+/// signals `changed` (the dispatch loop's control input, so it applies the change and claims
+/// at once).
 pub async fn watch(
     store: Store,
     state: Arc<ControlState>,
     interval: Duration,
-    changed: Arc<tokio::sync::Notify>,
+    changed: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
-    let mut stream = None;
-    let mut opened_at: Option<tokio::time::Instant> = None;
-    // After a failed read, the next waits out its back-off ([`crate::store::serverload`]).
-    let mut reading = Pacing::new(store.operation_timeout());
-    loop {
-        if reading.ready() {
-            let result = read_once(&store, &state, &changed).await;
-            reading.record(&result);
-        }
-        if stream.is_none() && opened_at.is_none_or(|t| t.elapsed() >= REOPEN_STREAM) {
-            opened_at = Some(tokio::time::Instant::now());
-            stream = store
-                .bounded("watch the control collection", store.watch_control())
-                .await
-                .ok();
-        }
-        let next_write = async {
-            match stream.as_mut() {
-                Some(s) => futures::StreamExt::next(s).await,
-                None => std::future::pending().await,
+    // A write reported by the change stream, or the stream lost (a write may have gone
+    // unseen): read now rather than at the next interval.
+    let written = Notify::new();
+    let follower = follow(
+        &store,
+        CONTROL,
+        |s| s.watch_control().boxed(),
+        |_| written.notify_one(),
+        &shutdown,
+    );
+    let reader = async {
+        // After a failed read, the next waits out its back-off ([`crate::store::serverload`]).
+        let mut reading = Pacing::new(store.operation_timeout());
+        loop {
+            if reading.ready() {
+                let result = tokio::select! {
+                    r = read_once(&store, &state, &changed) => r,
+                    _ = shutdown.cancelled() => return,
+                };
+                reading.record(&result);
             }
-        };
-        tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
-            event = next_write => {
-                if !matches!(event, Some(Ok(_))) {
-                    stream = None;
-                }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = written.notified() => {}
+                _ = shutdown.cancelled() => return,
             }
-            _ = shutdown.cancelled() => return,
         }
-    }
+    };
+    tokio::join!(follower, reader);
 }
 
 async fn read_once(
     store: &Store,
     state: &ControlState,
-    changed: &tokio::sync::Notify,
+    changed: &Notify,
 ) -> Result<(), StoreError> {
     match store.bounded("read pauses", store.read_control()).await {
         Ok(next) => {

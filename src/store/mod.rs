@@ -16,6 +16,7 @@ pub mod control;
 pub mod driver;
 pub mod durability;
 pub mod edit;
+pub mod follow;
 pub mod head;
 pub mod history;
 pub mod indexes;
