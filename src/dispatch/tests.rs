@@ -423,3 +423,39 @@ async fn a_destination_that_refuses_sends_is_left_out_of_claims_for_a_while() {
         "a confirmed send ends it (the queue is back)"
     );
 }
+
+/// Simulation seed 5067: a wave that outlived its 3 s lease (publish_timeout 5 s) waited for a
+/// withheld confirm while a claim of the same instance took the record again; when the wave
+/// gave up on it, the held copy went out in the next wave 2 ms later, past the hold-off after
+/// unconfirmed waves. The held copy is released with the rest now.
+#[tokio::test(start_paused = true)]
+async fn a_copy_claimed_again_during_an_unconfirmed_wave_waits_for_the_hold_off() {
+    let mut d = dispatcher(Config::default()).await;
+    d.link_up = true;
+    let now = d.store.clock().now();
+    let old = Lease::new(now, Duration::from_secs(3));
+    let new = Lease::new(now, Duration::from_secs(300));
+    d.in_flight.push(ready(1, now, old));
+    d.held.push(ready(1, now, new));
+    d.held.push(ready(2, now, new));
+    d.on_wave_sent(vec![SendOutcome::TimedOut], vec![None], Duration::ZERO);
+    let held: Vec<Bson> = d
+        .held
+        .take_matching(|_| true)
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(held, [Bson::Int32(2)], "the copy of record 1 is released");
+    let released: Vec<String> = d
+        .settle
+        .work()
+        .map(|s| match s {
+            Settle::Release { ids, .. } => format!("{ids:?}"),
+            _ => "other".into(),
+        })
+        .collect();
+    assert!(
+        released.iter().any(|r| r.contains("Int32(1)")),
+        "{released:?}"
+    );
+}

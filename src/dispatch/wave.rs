@@ -55,6 +55,7 @@ impl Dispatcher {
         let mut summary = WaveSummary::default();
         let mut fired = Vec::new();
         let mut refusing = Vec::new();
+        let mut unknown = Vec::new();
         for (i, (r, outcome)) in std::mem::take(&mut self.in_flight)
             .into_iter()
             .zip(outcomes)
@@ -100,6 +101,7 @@ impl Dispatcher {
                         };
                         m::possible_duplicates(cause, 1);
                         unconfirmed = true;
+                        unknown.push(r.id.clone());
                     } else {
                         tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
                     }
@@ -113,6 +115,11 @@ impl Dispatcher {
         if let Some(sink) = &self.history {
             sink.record(fired);
         }
+        // A wave that outlived its leases may see a claim of this instance take the same
+        // records again meanwhile: those copies must wait for the hold-off too (simulation
+        // seed 5067: sent again 2 ms after the wave gave up on them).
+        let again = self.held.take_matching(|h| unknown.contains(&h.id));
+        failed.extend(again.into_iter().map(|r| (r.id, r.lease)));
         self.release(failed, "publish_failed");
         if unconfirmed {
             // A link that withholds confirms must not get the same records again at once, and
