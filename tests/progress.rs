@@ -78,8 +78,8 @@ async fn a_paused_destination_is_counted_apart_from_the_due_backlog() {
     let named = reading.oldest_unclaimed.map(|(id, _)| id);
     assert_eq!(named, Some(uuid(limited)));
 
-    let shapes = timeoutd::store::backlog::MonitorShapes::default()
-        .current(&store)
+    let shapes = std::sync::Arc::new(timeoutd::store::shapes::ShapeCache::default())
+        .checked(&store)
         .await
         .unwrap();
     let rated = store

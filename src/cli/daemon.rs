@@ -18,9 +18,9 @@ use crate::metrics as m;
 use crate::operator::control::ControlState;
 use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
-use crate::store::backlog::MonitorShapes;
 use crate::store::clock::ServerClock;
 use crate::store::serverload::Pacing;
+use crate::store::shapes::ShapeCache;
 use crate::store::{Store, StoreError};
 use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};
 
@@ -414,7 +414,8 @@ async fn monitor(
     shutdown: CancellationToken,
 ) {
     let parking = store.parking();
-    let mut shapes = MonitorShapes::default();
+    // Its own instance of the learner, not the store's (see `crate::store::shapes`).
+    let shapes = Arc::new(ShapeCache::default());
     let mut clock_read = Instant::now();
     // Each reading is paced on its own: after a failure it is skipped until its back-off has
     // passed, after a timeout until the abandoned run has ended on the server.
@@ -424,7 +425,7 @@ async fn monitor(
         if backlog.ready() {
             let at = Instant::now();
             let reading = Store::timed("backlog", async {
-                let shapes = shapes.current(&store).await?;
+                let shapes = shapes.checked(&store).await?;
                 tokio::try_join!(
                     store.read_backlog(
                         &shapes,

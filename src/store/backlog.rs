@@ -1,9 +1,9 @@
 //! The monitor's reading of the due backlog: what the backlog alerts and the progress check
 //! ([`crate::service::progress`]) read. It depends on nothing the claim path keeps, so a claim path
 //! that goes wrong cannot make it read zero:
-//! - the `Time` shapes come from the monitor's own reads of the collection
-//!   ([`MonitorShapes`], a value the monitor task owns and replaces only after a read
-//!   succeeded), not from the claim path's [`crate::store::shapes::ShapeCache`];
+//! - the `Time` shapes come from the monitor's own instance of the one learner,
+//!   [`ShapeCache`], asked with [`ShapeCache::checked`] (a probe at every reading, its
+//!   shapes replaced only after a read succeeded), not from the claim path's instance;
 //! - the pauses and ramps come from the control collection itself, not from what the
 //!   dispatch loop applies.
 //!
@@ -13,15 +13,14 @@
 //! `Time` shape (while something is paused, the seek walks past the paused records due before
 //! the first other one, as the claim's read from the start does).
 
-use tokio::time::Instant;
+use std::sync::Arc;
 
 use bson::{Bson, DateTime, Document, doc};
 
-use crate::config::TimeEncoding;
 use crate::record::due::Shape;
 use crate::record::{TimeoutRecord, field};
 use crate::store::lease;
-use crate::store::shapes::{FULL_REFRESH, probe_finds_new, read_shapes};
+use crate::store::shapes::ShapeCache;
 use crate::store::{Store, StoreError};
 
 /// One reading of the due backlog.
@@ -39,39 +38,10 @@ pub struct Reading {
     pub oldest_unclaimed: Option<(Bson, DateTime)>,
 }
 
-/// The `Time` shapes as the monitor knows them: learned from the collection (a `distinct` of
-/// the offsets, one read of the date index) every [`FULL_REFRESH`], and at every reading in
-/// between when a probe finds a record of a shape not known yet.
-#[derive(Debug, Default)]
-pub struct MonitorShapes {
-    shapes: Vec<Shape>,
-    seen: Vec<Bson>,
-    learned_at: Option<Instant>,
-}
-
-impl MonitorShapes {
-    /// The shapes the collection holds now. Changes `self` only once its reads succeeded.
-    pub async fn current(&mut self, store: &Store) -> Result<Vec<Shape>, StoreError> {
-        if store.encoding() == TimeEncoding::Date {
-            return Ok(vec![Shape::Date]);
-        }
-        let stale = self.learned_at.is_none_or(|t| t.elapsed() >= FULL_REFRESH);
-        if stale || probe_finds_new(store, &self.shapes, self.seen.clone()).await? {
-            let (shapes, seen) = read_shapes(store).await?;
-            *self = Self {
-                shapes,
-                seen,
-                learned_at: Some(Instant::now()),
-            };
-        }
-        Ok(self.shapes.clone())
-    }
-}
-
 impl Store {
     /// [`Store::read_backlog`] with the shapes read now and no rate limits.
     pub async fn backlog(&self, up_to: u64) -> Result<Reading, StoreError> {
-        let shapes = MonitorShapes::default().current(self).await?;
+        let shapes = Arc::new(ShapeCache::default()).checked(self).await?;
         self.read_backlog(&shapes, up_to, &[]).await
     }
 

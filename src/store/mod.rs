@@ -462,6 +462,13 @@ impl Store {
     /// The `Time` shapes the due query covers now (learned from the collection, refreshed in
     /// the background; see [`crate::store::shapes`]).
     pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
+        // Tests only: the wedge of issue 19, the claim path's cache knowing no shape (every
+        // claim then reads nothing and succeeds), for the checks that must see it from
+        // outside. The monitor's own cache is not wedged ([`crate::store::backlog`]).
+        #[cfg(feature = "failpoints")]
+        if fail::eval("shapes-know-nothing", |_| ()).is_some() {
+            return Ok(Vec::new());
+        }
         self.shapes.current(self).await
     }
 

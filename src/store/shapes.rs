@@ -10,6 +10,15 @@
 //! more). A claim never waits for this except the first. A record whose offset no other
 //! record had (a new time zone, a DST change) is served from the next probe: it fires at its
 //! instant when it was written at least `REFRESH` ahead of it.
+//!
+//! One learner, two ways to ask it. The claim path asks [`ShapeCache::current`], which waits
+//! only for the first learn and probes in the background. The monitor
+//! ([`crate::store::backlog`]) asks [`ShapeCache::checked`], which waits for the probe (or the
+//! learn every [`FULL_REFRESH`]) at every reading and fails the reading when a query fails:
+//! a reading then counts a record of a new shape at once, and never reports a count over
+//! shapes it could not check. The monitor keeps an instance of its own, not the claim path's:
+//! a cache wedged on the claim path (issue 19: it knew no shape, every claim read nothing)
+//! must not make the backlog read zero too, or nothing would show the wedge.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -62,12 +71,6 @@ impl ShapeCache {
     /// its two queries left the cache marked as refreshing for good, and every later claim
     /// read no shape and took nothing.)
     pub async fn current(self: &Arc<Self>, store: &Store) -> Result<Vec<Shape>, StoreError> {
-        // Tests only: the wedge of issue 19, a cache that knows no shape (every claim then
-        // reads nothing and succeeds), for the checks that must see it from outside.
-        #[cfg(feature = "failpoints")]
-        if fail::eval("shapes-know-nothing", |_| ()).is_some() {
-            return Ok(Vec::new());
-        }
         if store.encoding == TimeEncoding::Date {
             return Ok(vec![Shape::Date]);
         }
@@ -110,18 +113,28 @@ impl ShapeCache {
                     }
                 }
                 let (cache, store) = (self.clone(), store.clone());
-                let learn = crate::host::spawn(async move {
-                    let _busy = busy;
-                    cache.learn(&store).await
-                });
-                match learn.await {
-                    Ok(learned) => learned,
-                    Err(e) => Err(StoreError::Panicked(format!(
-                        "learning the Time shapes: {e}"
-                    ))),
-                }
+                alone(busy, async move { cache.learn(&store).await }).await
             }
         }
+    }
+
+    /// The shapes as the collection holds them now, for the monitor: a probe for a shape not
+    /// known yet at every call, and a learn when it finds one, when the set is older than
+    /// [`FULL_REFRESH`] or when none was learned yet (the same [`ShapeCache::refresh`] the
+    /// claim path runs in the background, awaited here). A failed query fails the call and
+    /// keeps the last shapes. Like a learn, it runs in a task of its own holding `busy`: a
+    /// caller dropped halfway leaves it to finish.
+    pub async fn checked(self: &Arc<Self>, store: &Store) -> Result<Vec<Shape>, StoreError> {
+        if store.encoding == TimeEncoding::Date {
+            return Ok(vec![Shape::Date]);
+        }
+        let busy = self.busy.clone().lock_owned().await;
+        let (cache, store) = (self.clone(), store.clone());
+        alone(busy, async move {
+            cache.refresh(&store).await?;
+            Ok(cache.lock().shapes.clone().unwrap_or_default())
+        })
+        .await
     }
 
     /// Learns the set again when it is older than [`FULL_REFRESH`] or a probe finds a record
@@ -162,9 +175,26 @@ impl ShapeCache {
     }
 }
 
+/// Runs `work` in a task of its own that holds `busy` until it ends, and awaits it.
+async fn alone<T: Send + 'static>(
+    busy: tokio::sync::OwnedMutexGuard<()>,
+    work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    let task = crate::host::spawn(async move {
+        let _busy = busy;
+        work.await
+    });
+    match task.await {
+        Ok(done) => done,
+        Err(e) => Err(StoreError::Panicked(format!(
+            "learning the Time shapes: {e}"
+        ))),
+    }
+}
+
 /// Whether a record of a shape not in `shapes` exists: a date when none is known, or an
 /// offset within +-14 h that is not among `seen`.
-pub(crate) async fn probe_finds_new(
+async fn probe_finds_new(
     store: &Store,
     shapes: &[Shape],
     seen: Vec<Bson>,
@@ -232,7 +262,7 @@ async fn slow_reply() {
 }
 
 /// The shapes present, and every `"Time.1"` value seen.
-pub(crate) async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreError> {
+async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreError> {
     let mut shapes = Vec::new();
     if store.encoding.reads_dates() && any_date(store).await? {
         shapes.push(Shape::Date);
