@@ -1165,7 +1165,8 @@ fn apply_action(world: &World, k: &str, id: &Bson, later: Option<i64>) {
             let fields = models::doc(&world.mongo, &world.timeouts, id)
                 .map(|d| without_locks(&d))
                 .unwrap_or_default();
-            world.checker().rescheduled(k, due, fields);
+            let at = world.now_ms();
+            world.checker().rescheduled(at, k, due, fields);
         }
         None => world.checker().cancelled(k),
     }

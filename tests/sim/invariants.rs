@@ -14,7 +14,8 @@
 //!   between the lease check and the write lets any lease run out, and no client can tell);
 //! - `early`: nothing reaches the broker before its due instant by the server clock, less
 //!   any step back of the server clock since the instance last asked for a reading (a step
-//!   it cannot see: `stolen-lease` allows the same);
+//!   it cannot see: `stolen-lease` allows the same); a record the operator rescheduled while
+//!   the instance was paused is counted, not failed (its lease ran out in the pause);
 //! - `wrong-park`: a record is parked only for a reason it was generated for (`unroutable`
 //!   for a queue nothing is bound to, `unsendable` for headers past a node's frame, `nacked`
 //!   for any; hostile ones for any reason);
@@ -179,6 +180,8 @@ pub struct Checker {
     /// Publishes whose answer the instance did not see, by (instance, record): how many
     /// since the instance last saw any answer, and when it gave up on the latest.
     unanswered: HashMap<(usize, String), Unanswered>,
+    /// When the operator last rescheduled each record (virtual ms).
+    rescheduled_at: HashMap<String, u64>,
     /// How many answers each instance has seen (an entry of `unanswered` counts only while
     /// this is what it was).
     answers_seen: HashMap<usize, u64>,
@@ -261,6 +264,21 @@ impl Checker {
         })
     }
 
+    /// Whether the operator rescheduled `record` while `instance` was paused, in a pause that
+    /// ended within a lease of `at_ms`: its pre-publish check (due, lease live) may have come
+    /// before the pause, the lease run out in it and the reschedule found the record free
+    /// (seed 6661). Like `stolen-lease` after a pause, no client can tell.
+    fn rescheduled_while_paused(&self, instance: usize, record: &str, at_ms: u64) -> bool {
+        let Some(&r_at) = self.rescheduled_at.get(record) else {
+            return false;
+        };
+        self.pauses.get(&instance).is_some_and(|p| {
+            p.iter().any(|(from, until)| {
+                *from <= r_at && r_at <= at_ms && *until + self.lease_ms >= at_ms
+            })
+        })
+    }
+
     /// The server clock stepped by `ms` at `at_ms`.
     pub fn server_step(&mut self, at_ms: u64, ms: i64) {
         self.server_steps.push((at_ms, ms));
@@ -310,8 +328,9 @@ impl Checker {
 
     /// The operator moved `record`'s `Time` (`timeoutd reschedule`): from now on it is due at
     /// `due_ms` and stored with `fields`.
-    pub fn rescheduled(&mut self, record: &str, due_ms: i64, fields: Document) {
+    pub fn rescheduled(&mut self, at_ms: u64, record: &str, due_ms: i64, fields: Document) {
         self.bump("rescheduled");
+        self.rescheduled_at.insert(record.to_string(), at_ms);
         if let Some(info) = self.records.get_mut(record) {
             info.due_ms = Some(due_ms);
             info.fields = fields;
@@ -490,6 +509,10 @@ impl Checker {
         if let Some(due) = info.due_ms
             && server_ms + unseen < due
         {
+            if self.rescheduled_while_paused(instance, record, at_ms) {
+                self.bump("early-after-pause-and-reschedule");
+                return;
+            }
             let d = format!(
                 "instance {instance} published {record} at server time {server_ms}, {} ms before its due instant {due}",
                 due - server_ms
