@@ -182,6 +182,16 @@ async fn calls_in_flight_stay_bounded_while_every_call_times_out() {
     env.cleanup().await;
 }
 
+/// A server started for one phase, stopped when the phase ends (or fails).
+struct StopOnDrop(i32);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: signalling the server this test started.
+        unsafe { libc::kill(self.0, libc::SIGTERM) };
+    }
+}
+
 /// One phase of [`a_million_records_without_the_due_index`]: a server of its own holding
 /// `records` future records, one daemon on it for `secs` with `operation_timeout` and its
 /// indexes never built. Returns the server's peak memory (MiB), the reaper's and the
@@ -208,6 +218,9 @@ async fn without_the_due_index(
         .trim()
         .parse()
         .expect("pid");
+    // Stopped however the phase ends: a failed assertion must not leave a server holding a
+    // million records running.
+    let _server = StopOnDrop(pid);
     let peak_mib = || {
         std::fs::read_to_string(format!("/proc/{pid}/status"))
             .ok()
@@ -261,8 +274,6 @@ async fn without_the_due_index(
         "SLOWDB without the due index, {records} records, operation_timeout {operation_timeout:?}, {secs} s: server memory {loaded_mib} MiB loaded, {peak} MiB peak; reaper failures {reaper}, stuck-lock failures {stuck}; most calls in flight {most}"
     );
     d.stop().await;
-    // SAFETY: our own child's server.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
     (peak, reaper, stuck, most)
 }
 

@@ -42,13 +42,11 @@ impl Dispatcher {
     pub(super) fn excluded_destinations(&self) -> Vec<String> {
         let mut excluded = self.control.paused.clone();
         let now = Instant::now();
-        excluded.extend(
-            self.refusing
-                .iter()
-                .filter(|(d, until)| **until > now && !excluded.contains(d))
-                .map(|(d, _)| d.clone())
-                .collect::<Vec<_>>(),
-        );
+        for (d, until) in &self.refusing {
+            if *until > now && !excluded.contains(d) {
+                excluded.push(d.clone());
+            }
+        }
         let d = &self.config.dispatch;
         let window = d.claim_window().as_secs_f64();
         let now_ms = self.store.clock().now().timestamp_millis();

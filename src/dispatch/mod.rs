@@ -162,7 +162,8 @@ pub struct Dispatcher {
     unconfirmed_backoff: Backoff,
     claims: ClaimSchedule,
     /// Destinations whose last send the broker refused (no queue bound, or a nack), and until
-    /// when this instance's claims leave them out (`[retry] base` from the refusal): their
+    /// when this instance's claims leave them out (`[retry] base` after the last of their
+    /// refused records was settled, see `Dispatcher::leave_out`): their
     /// backlog, oldest first, would otherwise fill every claim and crowd out every other
     /// destination (issue 25, 8.3, seen from outside). A confirmed send ends it.
     refusing: HashMap<String, Instant>,
@@ -371,10 +372,8 @@ impl Dispatcher {
             Event::Finished(Ok(done)) => self.on_finished(done),
             Event::Finished(Err(e)) => self.on_task_died(e),
             Event::WokenUp => self.claims.wake(),
-            Event::ControlChanged => {
-                self.apply_control();
-                self.claims.wake();
-            }
+            // `start_work` applies the new control at the top of the loop, before any claim.
+            Event::ControlChanged => self.claims.wake(),
             // Due records and due claims are started by `start_work` at the top of the loop.
             Event::Due | Event::Tick => {}
         }
