@@ -1,66 +1,125 @@
-//! What operators decide, applied by the dispatch loop: pauses (a paused destination's held
-//! records are released and none of its records is claimed or sent) and send-rate limits
-//! (a record that finds no token waits, held, until one comes; see [`crate::dispatch::ratelimit`]).
+//! What decides which destinations a claim leaves out and which due records are held back:
+//! operators' pauses and ramps, the send-rate limits ([`crate::dispatch::ratelimit`]), and
+//! destinations the broker refused lately. Plain data, no I/O: the machine owns one
+//! [`Control`] and hands it the instant.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use super::{Dispatcher, Ready};
-use crate::metrics as m;
-use crate::store::lease::{self, PrePublish};
+use bson::{Bson, DateTime};
 
-impl Dispatcher {
-    /// Takes in the latest pauses and ramps; on a change, releases what this instance holds
-    /// of a destination paused now. Never awaits.
-    pub(super) fn apply_control(&mut self) {
-        let latest = self.control_state.get();
-        if Arc::ptr_eq(&latest, &self.control) {
-            return;
+use super::leased::{Held, Leased};
+use crate::config::Config;
+use crate::dispatch::ratelimit::RateLimits;
+use crate::metrics as m;
+use crate::store::control::Snapshot;
+use crate::store::lease::{self, Lease, PrePublish};
+
+/// The due records of one wave, sorted by what holds them back.
+#[derive(Debug, Default)]
+pub struct Sorted {
+    /// Sendable now.
+    pub send: Vec<Leased>,
+    /// Of a paused destination, or whose rate-limit token comes too late for the lease: to
+    /// release, with the reason.
+    pub release: Vec<(Vec<(Bson, Lease)>, &'static str)>,
+    /// Waiting for a rate-limit token: to hold again until `at_ms` (server clock).
+    pub later: Vec<(Leased, i64)>,
+}
+
+/// Pauses, ramps, rate limits and refusing destinations, as this instance applies them.
+#[derive(Debug)]
+pub struct Control {
+    config: Arc<Config>,
+    /// The pauses and ramps last applied.
+    snapshot: Arc<Snapshot>,
+    limits: RateLimits,
+    /// Destinations whose last send the broker refused (no queue bound, or a nack), and until
+    /// when this instance's claims leave them out: `[retry] base` after the last of their
+    /// refused records was settled ([`Control::leave_out`]). Their backlog, oldest first,
+    /// would otherwise fill every claim and crowd out every other destination (issue 25, 8.3,
+    /// seen from outside). A confirmed send ends it ([`Control::accepted`]).
+    refusing: HashMap<String, Instant>,
+}
+
+impl Control {
+    pub fn new(config: Arc<Config>) -> Self {
+        Self {
+            limits: RateLimits::new(&config.dispatch),
+            config,
+            snapshot: Arc::default(),
+            refusing: HashMap::new(),
         }
-        self.control = latest;
-        let paused = self.control.paused.clone();
-        let held = self
-            .held
-            .take_matching(|r| paused.contains(&r.record.destination));
-        if !held.is_empty() {
+    }
+
+    /// Takes in new pauses and ramps. Returns the held records of destinations paused now,
+    /// to release; `None` when `snapshot` is the one already applied.
+    pub fn apply(&mut self, snapshot: Arc<Snapshot>, held: &mut Held) -> Option<Vec<Leased>> {
+        if Arc::ptr_eq(&snapshot, &self.snapshot) {
+            return None;
+        }
+        self.snapshot = snapshot;
+        let paused = &self.snapshot.paused;
+        m::paused_destinations(paused.len());
+        let taken = held.take_matching(|r| paused.contains(&r.record.destination));
+        if !taken.is_empty() {
             tracing::info!(
-                records = held.len(),
+                records = taken.len(),
                 "releasing held records of paused destinations"
             );
-            m::held_back("paused", held.len());
-            m::skipped("paused", held.len());
-            self.release_records(held, "paused");
+            m::held_back("paused", taken.len());
+            m::skipped("paused", taken.len());
         }
-        m::paused_destinations(paused.len());
+        Some(taken)
+    }
+
+    /// The broker refused sends to `destinations` (at the end of a wave, and again as each
+    /// refused record is settled): claims leave each out until `[retry] base` after `at`, so
+    /// that a dead queue's backlog cannot fill every claim while its refusals are settled, one
+    /// or two writes each. Its records already held go on as they are.
+    pub fn leave_out(&mut self, destinations: impl IntoIterator<Item = String>, at: Instant) {
+        self.refusing.retain(|_, until| *until > at);
+        let base = self.config.retry.base;
+        let until = crate::deadline::later(at, base);
+        for destination in destinations {
+            if self.refusing.insert(destination.clone(), until).is_none() {
+                tracing::warn!(%destination, retry_in = ?base, "the broker refuses sends to this destination; leaving it out of claims for a while");
+            }
+        }
+    }
+
+    /// The broker confirmed a send to `destination`: it is no longer left out.
+    pub fn accepted(&mut self, destination: &str) {
+        self.refusing.remove(destination);
     }
 
     /// Destinations the next claim leaves out: the paused ones, those the broker refused
-    /// lately (see `Dispatcher::refusing`), and those with a send-rate
-    /// limit of which this instance already holds what it may send over a poll interval
-    /// and the look-ahead (more would only wait here, out of reach of other instances).
-    pub(super) fn excluded_destinations(&self) -> Vec<String> {
-        let mut excluded = self.control.paused.clone();
-        let now = Instant::now();
+    /// lately, and those with a send-rate limit of which this instance already holds what it
+    /// may send over a poll interval and the look-ahead (more would only wait here, out of
+    /// reach of other instances). `server` is the server's clock (ramps follow it).
+    pub fn excluded(&self, held: &Held, at: Instant, server: DateTime) -> Vec<String> {
+        let mut excluded = self.snapshot.paused.clone();
         for (d, until) in &self.refusing {
-            if *until > now && !excluded.contains(d) {
+            if *until > at && !excluded.contains(d) {
                 excluded.push(d.clone());
             }
         }
         let d = &self.config.dispatch;
         let window = d.claim_window().as_secs_f64();
-        let now_ms = self.store.clock().now().timestamp_millis();
         let limited = d
             .destination
             .iter()
             .map(|l| l.name.clone())
-            .chain(self.control.ramps.keys().cloned());
+            .chain(self.snapshot.ramps.keys().cloned());
         for name in limited {
+            let ramp = self.snapshot.ramps.get(&name);
             let rate = self
                 .limits
-                .destination_rate(&name, self.control.ramps.get(&name), now_ms);
+                .destination_rate(&name, ramp, server.timestamp_millis());
             if let Some(rate) = rate
-                && self.held.count_of(&name) as f64 >= (rate * window).max(1.0)
+                && held.count_of(&name) as f64 >= (rate * window).max(1.0)
                 && !excluded.contains(&name)
             {
                 excluded.push(name);
@@ -71,43 +130,40 @@ impl Dispatcher {
 
     /// Whether this instance holds what its own `max_rate` lets it send over a poll
     /// interval and the look-ahead: then it claims nothing more for now.
-    pub(super) fn rate_saturated(&self) -> bool {
+    pub fn saturated(&self, held: usize) -> bool {
         let d = &self.config.dispatch;
         let window = d.claim_window().as_secs_f64();
         d.max_rate
-            .is_some_and(|r| self.held.len() as f64 >= (r * window).max(1.0))
+            .is_some_and(|r| held as f64 >= (r * window).max(1.0))
     }
 
     /// Sorts the records that fell due: sendable now, or held back by a pause (released) or
     /// by a rate limit (held until a token comes, or released when the token would come too
     /// late for the lease). `now` is the earliest the server's clock can read, `latest` the
-    /// latest.
-    pub(super) fn hold_back(
+    /// latest, `at` the monotonic instant.
+    pub fn hold_back(
         &mut self,
-        due: Vec<Ready>,
-        now: bson::DateTime,
-        latest: bson::DateTime,
-    ) -> Vec<Ready> {
-        let control = self.control.clone();
-        let rated = self.limits.any(!control.ramps.is_empty());
-        let (at, now_ms) = (Instant::now(), now.timestamp_millis());
+        due: Vec<Leased>,
+        at: Instant,
+        now: DateTime,
+        latest: DateTime,
+    ) -> Sorted {
+        let snapshot = self.snapshot.clone();
+        let rated = self.limits.any(!snapshot.ramps.is_empty());
+        let now_ms = now.timestamp_millis();
         let margin = self.config.dispatch.lease_safety_margin;
-        let mut send = Vec::with_capacity(due.len());
+        let mut sorted = Sorted::default();
         let mut paused = Vec::new();
         let mut outlasting = Vec::new();
-        let mut later: Vec<(Ready, Duration)> = Vec::new();
         for r in due {
             let destination = r.record.destination.as_str();
-            if control.paused.iter().any(|p| p == destination) {
+            if snapshot.paused.iter().any(|p| p == destination) {
                 paused.push((r.id, r.lease));
                 continue;
             }
             if rated {
-                let rate = self.limits.destination_rate(
-                    destination,
-                    control.ramps.get(destination),
-                    now_ms,
-                );
+                let ramp = snapshot.ramps.get(destination);
+                let rate = self.limits.destination_rate(destination, ramp, now_ms);
                 if let Err(wait) = self.limits.take(destination, rate, at) {
                     // Held only while its token comes within the lease: a record held past
                     // it would sit here on a dead lease, out of every claim's reach (this
@@ -120,30 +176,31 @@ impl Dispatcher {
                     if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
                         outlasting.push((r.id, r.lease));
                     } else {
-                        later.push((r, wait));
+                        sorted.later.push((r, now_ms.saturating_add(wait_ms(wait))));
                     }
                     continue;
                 }
             }
-            send.push(r);
+            sorted.send.push(r);
         }
         if !paused.is_empty() {
             m::held_back("paused", paused.len());
             m::skipped("paused", paused.len());
-            self.release(paused, "paused");
+            sorted.release.push((paused, "paused"));
         }
         if !outlasting.is_empty() {
             m::held_back("rate_limit", outlasting.len());
             m::skipped("rate_limit", outlasting.len());
-            self.release(outlasting, "rate_limit");
+            sorted.release.push((outlasting, "rate_limit"));
         }
-        if !later.is_empty() {
-            m::held_back("rate_limit", later.len());
-            for (r, wait) in later {
-                let wait_ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
-                self.held.defer(r, now_ms.saturating_add(wait_ms));
-            }
+        if !sorted.later.is_empty() {
+            m::held_back("rate_limit", sorted.later.len());
         }
-        send
+        sorted
     }
+}
+
+/// A wait in whole milliseconds, at least one.
+fn wait_ms(wait: Duration) -> i64 {
+    i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1)
 }

@@ -1,8 +1,8 @@
 //! Settling claimed records once their fate is known: remove what the broker confirmed,
 //! release what could not be sent, retry or park what the broker refused, park what can never
-//! be sent. Each is one [`Settle`] item that the dispatch loop runs as a background task; every
-//! write is guarded by the claim's owner and live lease, and bounded by
-//! `[mongodb] operation_timeout`.
+//! be sent. Each is one [`Settle`] item; the machine queues them in one bounded
+//! [`SettleQueue`] and the driver runs each as a task ([`Settle::run`]). Every write is guarded
+//! by the claim's owner and live lease, and bounded by `[mongodb] operation_timeout`.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -11,10 +11,9 @@ use bson::{Bson, DateTime, Document};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::held::Ready;
+use super::leased::Leased;
 use crate::config::RetryConfig;
 use crate::dispatch::publisher::SendOutcome;
-use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::record::field;
 use crate::record::{TimeoutRecord, display_id};
@@ -23,6 +22,7 @@ use crate::store::Store;
 use crate::store::history::{self, Ended, HistorySink};
 use crate::store::lease::Lease;
 use crate::store::parking::{ParkReason, Parked};
+use crate::store::serverload::Pacing;
 
 /// Why a record is being parked, and after how many failed sends.
 #[derive(Debug, Clone)]
@@ -46,6 +46,8 @@ impl Failure {
 /// One piece of settling work.
 #[derive(Debug)]
 pub enum Settle {
+    /// Delete records the broker confirmed, under their claim's owner guard and live lease.
+    Remove { lease: Lease, records: Vec<Leased> },
     /// Free records under their claim's owner guard.
     Release {
         lease: Lease,
@@ -54,7 +56,7 @@ pub enum Settle {
     },
     /// A send the broker refused: retry after back-off, or park after `max_attempts`.
     Refused {
-        ready: Box<Ready>,
+        leased: Box<Leased>,
         outcome: SendOutcome,
     },
     /// Move a record to the parking collection.
@@ -67,26 +69,25 @@ pub enum Settle {
     },
 }
 
-/// Settling work waiting for a slot, in one queue: the confirmed records waiting for a
-/// removal, and the rest (releases first, then retries and parkings, in order).
+/// Settling work waiting for a slot, in one queue: releases first (a released record is one
+/// a peer can send), then removals (a confirmed record must be deleted while its lease holds),
+/// then retries and parkings, each kind in order.
 ///
-/// It is bounded by what the loop lets in: while it holds `cap` records or more
+/// It is bounded by what the machine lets in: while it holds `cap` records or more
 /// ([`SettleQueue::is_full`]) no claim starts, so a destination that refuses every send
 /// cannot pile up more work than the database settles (issue 25, 8.3: refused records queued
 /// without bound, outlived their leases and were claimed again). And nothing in it outlives
-/// its lease: work whose lease comes within the safety margin before it got a slot is
-/// released instead ([`SettleQueue::release_expiring`]).
+/// its lease: a retry or parking whose lease comes within the safety margin before it got a
+/// slot is released instead ([`SettleQueue::release_expiring`]).
 #[derive(Debug, Default)]
 pub struct SettleQueue {
-    /// Confirmed records waiting for a removal slot (removals have slots of their own).
-    pub confirmed: Vec<Ready>,
     work: VecDeque<Settle>,
 }
 
 impl SettleQueue {
-    /// How many records wait: confirmed ones and those of the other work.
+    /// How many records wait.
     pub fn records(&self) -> usize {
-        self.confirmed.len() + self.work.iter().map(Settle::records).sum::<usize>()
+        self.work.iter().map(Settle::records).sum()
     }
 
     /// Whether no claim may start: `cap` records or more wait to settle.
@@ -95,25 +96,55 @@ impl SettleQueue {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.confirmed.is_empty() && self.work.is_empty()
+        self.work.is_empty()
     }
 
-    pub fn push_back(&mut self, work: Settle) {
-        self.work.push_back(work);
+    /// Queues `work` behind the work of its kind.
+    pub fn push(&mut self, work: Settle) {
+        match work {
+            // Ahead of everything: releases are queued for the records' peers.
+            Settle::Release { .. } => {
+                let at = self.work.iter().take_while(|w| w.rank() == 0).count();
+                self.work.insert(at, work);
+            }
+            // One delete per claim: merged into a removal of the same claim still waiting.
+            Settle::Remove { lease, mut records } => {
+                let waiting = self.work.iter_mut().find_map(|w| match w {
+                    Settle::Remove { lease: l, records } if l.owner == lease.owner => Some(records),
+                    _ => None,
+                });
+                match waiting {
+                    Some(queued) => queued.append(&mut records),
+                    None => {
+                        let at = self.work.iter().take_while(|w| w.rank() <= 1).count();
+                        self.work.insert(at, Settle::Remove { lease, records });
+                    }
+                }
+            }
+            Settle::Refused { .. } | Settle::Park { .. } => self.work.push_back(work),
+        }
     }
 
-    pub fn push_front(&mut self, work: Settle) {
-        self.work.push_front(work);
-    }
-
-    pub fn pop_front(&mut self) -> Option<Settle> {
+    /// The next work to run.
+    pub fn pop(&mut self) -> Option<Settle> {
         self.work.pop_front()
     }
 
-    /// The work other than removals, in the order it runs.
+    /// The work, in the order it runs.
     #[cfg(test)]
     pub fn work(&self) -> impl Iterator<Item = &Settle> {
         self.work.iter()
+    }
+
+    /// Confirmed records waiting for a removal: left leased if the machine is dropped.
+    pub fn unremoved(&self) -> usize {
+        self.work
+            .iter()
+            .map(|w| match w {
+                Settle::Remove { records, .. } => records.len(),
+                _ => 0,
+            })
+            .sum()
     }
 
     /// Retries and parkings whose lease has less than `margin` left at `now` (server clock)
@@ -122,9 +153,10 @@ impl SettleQueue {
     /// refusal is not counted then: the record is sent again by the next claim and counted
     /// on that attempt. Returns how many were released.
     pub fn release_expiring(&mut self, now: DateTime, margin: Duration) -> usize {
-        let expiring = |s: &Settle| match s.lease() {
-            Some(lease) => lease.remaining(now) < margin,
-            None => false,
+        let expiring = |s: &Settle| match s {
+            Settle::Refused { leased, .. } => leased.lease.remaining(now) < margin,
+            Settle::Park { lease, .. } => lease.remaining(now) < margin,
+            Settle::Release { .. } | Settle::Remove { .. } => false,
         };
         if !self.work.iter().any(expiring) {
             return 0;
@@ -136,9 +168,9 @@ impl SettleQueue {
         let held: Vec<(Bson, Lease)> = late
             .into_iter()
             .filter_map(|s| match s {
-                Settle::Refused { ready, .. } => Some((ready.id, ready.lease)),
+                Settle::Refused { leased, .. } => Some((leased.id, leased.lease)),
                 Settle::Park { id, lease, .. } => Some((id, lease)),
-                Settle::Release { .. } => None,
+                Settle::Release { .. } | Settle::Remove { .. } => None,
             })
             .collect();
         let n = held.len();
@@ -147,11 +179,24 @@ impl SettleQueue {
             margin = ?margin,
             "settling did not start before the lease safety margin; releasing instead"
         );
-        for work in Settle::releases(held, "margin").into_iter().rev() {
-            self.work.push_front(work);
+        for work in Settle::releases(held, "margin") {
+            self.push(work);
         }
         n
     }
+}
+
+/// What settling work runs against: the store, the retry rules, history, the health it reports
+/// MongoDB's state into, and when to give up removals at shutdown.
+#[derive(Clone)]
+pub struct Settler {
+    pub store: Store,
+    pub retry: RetryConfig,
+    pub history: Option<HistorySink>,
+    pub health: std::sync::Arc<Health>,
+    pub shutdown: CancellationToken,
+    /// Cancelled when the shutdown's drain ends: removals still running give up.
+    pub drain_over: CancellationToken,
 }
 
 impl Settle {
@@ -159,24 +204,25 @@ impl Settle {
     pub fn records(&self) -> usize {
         match self {
             Settle::Release { ids, .. } => ids.len(),
+            Settle::Remove { records, .. } => records.len(),
             Settle::Refused { .. } | Settle::Park { .. } => 1,
+        }
+    }
+
+    /// The queue's order: releases, removals, the rest.
+    fn rank(&self) -> u8 {
+        match self {
+            Settle::Release { .. } => 0,
+            Settle::Remove { .. } => 1,
+            Settle::Refused { .. } | Settle::Park { .. } => 2,
         }
     }
 
     /// The destination of a refused send this work retries or parks.
     pub fn refused_destination(&self) -> Option<String> {
         match self {
-            Settle::Refused { ready, .. } => Some(ready.record.destination.clone()),
-            Settle::Release { .. } | Settle::Park { .. } => None,
-        }
-    }
-
-    /// The lease a retry or a parking needs (a release needs none: it may match nothing).
-    fn lease(&self) -> Option<&Lease> {
-        match self {
-            Settle::Release { .. } => None,
-            Settle::Refused { ready, .. } => Some(&ready.lease),
-            Settle::Park { lease, .. } => Some(lease),
+            Settle::Refused { leased, .. } => Some(leased.record.destination.clone()),
+            Settle::Release { .. } | Settle::Remove { .. } | Settle::Park { .. } => None,
         }
     }
 
@@ -192,14 +238,26 @@ impl Settle {
             .collect()
     }
 
-    /// Runs the work; parked records go to `history` when it is on.
-    pub async fn run(self, store: &Store, retry: &RetryConfig, history: Option<&HistorySink>) {
+    /// Runs the work; parked records go to history when it is on.
+    pub async fn run(self, s: &Settler) {
+        let (store, history) = (&s.store, s.history.as_ref());
         match self {
             Settle::Release { lease, ids, reason } => {
                 release(store, &ids, lease.owner, reason).await
             }
-            Settle::Refused { ready, outcome } => {
-                retry_or_park(store, retry, *ready, outcome, history).await
+            Settle::Remove { lease, records } => {
+                remove(
+                    store,
+                    &s.health,
+                    &records,
+                    &lease,
+                    &s.shutdown,
+                    &s.drain_over,
+                )
+                .await
+            }
+            Settle::Refused { leased, outcome } => {
+                retry_or_park(store, &s.retry, *leased, outcome, history).await
             }
             Settle::Park {
                 id,
@@ -250,7 +308,7 @@ pub async fn release(store: &Store, ids: &[Bson], owner: Uuid, reason: &'static 
 async fn retry_or_park(
     store: &Store,
     retry: &RetryConfig,
-    r: Ready,
+    r: Leased,
     outcome: SendOutcome,
     history: Option<&HistorySink>,
 ) {
@@ -383,7 +441,7 @@ async fn park(
 /// shutdown's drain, or one that panicked. Its records stay leased, and whoever claims them
 /// once the lease ran out sends them again.
 struct Unremoved<'a> {
-    confirmed: &'a [(Bson, TimeoutRecord)],
+    confirmed: &'a [Leased],
     owner: Uuid,
     settled: bool,
 }
@@ -401,7 +459,7 @@ impl Drop for Unremoved<'_> {
             return;
         }
         let owner = self.owner;
-        for (_, r) in self.confirmed {
+        for Leased { record: r, .. } in self.confirmed {
             tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "removal of a sent record abandoned; it stays leased and may be sent again after the lease");
         }
         m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.confirmed.len());
@@ -416,7 +474,7 @@ impl Drop for Unremoved<'_> {
 pub async fn remove(
     store: &Store,
     health: &Health,
-    confirmed: &[(Bson, TimeoutRecord)],
+    confirmed: &[Leased],
     lease: &Lease,
     shutdown: &CancellationToken,
     drain_over: &CancellationToken,
@@ -438,21 +496,21 @@ pub async fn remove(
 async fn removal_attempts(
     store: &Store,
     health: &Health,
-    confirmed: &[(Bson, TimeoutRecord)],
+    confirmed: &[Leased],
     lease: &Lease,
     shutdown: &CancellationToken,
     drain_over: &CancellationToken,
 ) {
     let owner = lease.owner;
-    let ids: Vec<Bson> = confirmed.iter().map(|(id, _)| id.clone()).collect();
-    let mut backoff = Backoff::reconnect();
+    let ids: Vec<Bson> = confirmed.iter().map(|r| r.id.clone()).collect();
+    let mut pacing = Pacing::new(store.operation_timeout());
     loop {
         // "Does the lease still hold?" asks the latest the server's clock can read, here as
         // for the wait below: with the midpoint here, a reading in between (live by the
         // midpoint, over by the latest) made the wait zero and a delete that failed at once
         // (connection refused) a busy loop (simulation seed 78).
         if !lease.is_live(store.clock().latest()) {
-            for (_, r) in confirmed {
+            for Leased { record: r, .. } in confirmed {
                 tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
             }
             sent_and_lost(confirmed.len());
@@ -501,8 +559,8 @@ async fn removal_attempts(
             }
             Err(e) => {
                 health.set_up(m::MONGODB, false);
-                let wait = backoff
-                    .next_delay()
+                let wait = pacing
+                    .failed(&e)
                     .min(lease.remaining(store.clock().latest()));
                 tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
                 tokio::select! {
@@ -523,7 +581,7 @@ async fn removal_attempts(
 async fn account_for_shortfall(
     store: &Store,
     ids: &[Bson],
-    confirmed: &[(Bson, TimeoutRecord)],
+    confirmed: &[Leased],
     owner: Uuid,
     short: usize,
     live: bool,
@@ -537,8 +595,8 @@ async fn account_for_shortfall(
         Ok(still_there) => {
             let lost = confirmed
                 .iter()
-                .filter(|(id, _)| still_there.contains(id))
-                .inspect(|(_, r)| {
+                .filter(|r| still_there.contains(&r.id))
+                .inspect(|Leased { record: r, .. }| {
                     tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
                 })
                 .count();

@@ -55,6 +55,19 @@ pub struct Candidates {
 }
 
 impl Candidates {
+    /// Candidates as a read would return them, for the dispatch machine's tests.
+    #[cfg(test)]
+    pub(crate) fn of(ids: Vec<Bson>) -> Self {
+        Self {
+            horizon: DateTime::MAX,
+            shapes: Vec::new(),
+            excluded: Vec::new(),
+            docs: Vec::new(),
+            ids: ids.into_iter().map(|id| (id, Bson::Null)).collect(),
+            more: false,
+        }
+    }
+
     /// Whether the read found nothing to take.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()

@@ -1,0 +1,425 @@
+//! The driver: runs the [`Machine`]'s commands as tasks and feeds their results back, through
+//! one `select!`. It owns everything the machine must not touch: the clocks, the store, the
+//! publisher, the tasks, the signals of the rest of the daemon.
+//!
+//! Every call to MongoDB or RabbitMQ runs in a task under a deadline, so the loop turns at
+//! least once a [`HEARTBEAT`], and each turn tells [`Health`] it is live. A panic in the
+//! machine is caught: the daemon is marked failed, the loop releases what it holds and
+//! returns an error, and the process exits non-zero. A task that panics is told apart by its
+//! id: the machine hears which one died.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::{Id, JoinSet};
+use tokio::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use super::machine::{Command, Input, Link, Machine, Now};
+use super::settle::{Settle, Settler};
+use super::{DispatchError, Signals};
+use crate::config::Config;
+use crate::dispatch::publisher::{LinkWatch, PublishError, Publisher, SendOutcome};
+use crate::metrics as m;
+use crate::operator::control::ControlState;
+use crate::record::message::OutgoingMessage;
+use crate::service::health::Health;
+use crate::service::supervisor::panic_message;
+use crate::store::claim::{Candidates, Claim};
+use crate::store::history::HistorySink;
+use crate::store::{Store, StoreError};
+
+/// How often the loop turns when nothing happens, so that liveness keeps being reported.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// What a task reports when it ends.
+enum Done {
+    Read(Result<Candidates, StoreError>),
+    Taken(Result<Claim, StoreError>),
+    /// The task that had the link gives it back.
+    Connected(Box<Publisher>, Result<(), PublishError>),
+    Sent(Box<Publisher>, Vec<SendOutcome>),
+    Settled {
+        refused: Option<String>,
+    },
+}
+
+/// Which task an id is, for one that panicked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Claim,
+    Link,
+    Settle,
+}
+
+/// The dispatch loop: the machine and what runs its commands. One per process.
+pub struct Dispatcher {
+    config: Arc<Config>,
+    store: Store,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    signals: Signals,
+    control: Arc<ControlState>,
+    machine: Machine,
+    /// The RabbitMQ link; `None` while a task uses it.
+    publisher: Option<Publisher>,
+    /// Whether the broker blocks the open connection, read while a task has the publisher.
+    watch: LinkWatch,
+    tasks: JoinSet<Done>,
+    roles: HashMap<Id, Role>,
+    /// The wave in flight: cancelled at the broker's first answer, and to stop waiting.
+    answered: Option<CancellationToken>,
+    stop_waiting: Option<CancellationToken>,
+    settler: Settler,
+    history: Option<HistorySink>,
+    failed: Option<String>,
+}
+
+impl Dispatcher {
+    pub fn new(
+        config: Arc<Config>,
+        store: Store,
+        control: Arc<ControlState>,
+        publisher: Publisher,
+        health: Arc<Health>,
+        shutdown: CancellationToken,
+        signals: Signals,
+    ) -> Self {
+        let machine = Machine::new(config.clone(), health.clone(), false, Instant::now());
+        let settler = Settler {
+            store: store.clone(),
+            retry: config.retry.clone(),
+            history: None,
+            health: health.clone(),
+            shutdown: shutdown.clone(),
+            drain_over: CancellationToken::new(),
+        };
+        Self {
+            config,
+            store,
+            health,
+            shutdown,
+            signals,
+            control,
+            machine,
+            watch: publisher.watch(),
+            publisher: Some(publisher),
+            tasks: JoinSet::new(),
+            roles: HashMap::new(),
+            answered: None,
+            stop_waiting: None,
+            settler,
+            history: None,
+            failed: None,
+        }
+    }
+
+    /// Records what fires and what is parked through `sink` (`[history] keep`).
+    pub fn with_history(mut self, sink: Option<HistorySink>) -> Self {
+        self.machine = Machine::new(
+            self.config.clone(),
+            self.health.clone(),
+            sink.is_some(),
+            Instant::now(),
+        );
+        self.settler.history = sink.clone();
+        self.history = sink;
+        self
+    }
+
+    /// Runs until shutdown; then releases what it holds (owner-guarded), waits for the wave
+    /// in flight (at most `shutdown_timeout`) and for the settling it started, closes the
+    /// broker connection and returns. Returns an error if the machine panicked.
+    pub async fn run(mut self) -> Result<(), DispatchError> {
+        let mut input = Some(Input::Control(self.control.get()));
+        loop {
+            self.health.beat();
+            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(input.take())));
+            let now = match turn {
+                Ok(now) => now,
+                Err(panic) if self.contain(panic.as_ref()) => break,
+                Err(_) => self.now(),
+            };
+            if self.machine.is_done() {
+                break;
+            }
+            input = Some(self.next_input(&now).await);
+            // Tests only: an await that does not return, as an unbounded call would.
+            #[cfg(feature = "failpoints")]
+            if let Some(Some(ms)) = fail::eval("dispatch-loop-stall", |arg| {
+                arg.and_then(|a| a.parse::<u64>().ok())
+            }) {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+        }
+        if let Some(mut publisher) = self.publisher.take() {
+            publisher.close().await;
+        }
+        crate::service::shutdown::stall().await;
+        tracing::info!("dispatch loop stopped");
+        match self.failed.take() {
+            Some(what) => Err(DispatchError::Panicked(what)),
+            None => Ok(()),
+        }
+    }
+
+    fn now(&self) -> Now {
+        let clock = self.store.clock();
+        Now {
+            at: Instant::now(),
+            earliest: clock.earliest(),
+            server: clock.now(),
+            latest: clock.latest(),
+            wall: crate::host::wall_now(),
+        }
+    }
+
+    /// One turn: hands the machine `input` and what the driver sees of the link, then runs
+    /// every command it gives. Never awaits.
+    fn turn(&mut self, input: Option<Input>) -> Now {
+        // Tests only: a handler that panics (supervision tests).
+        #[cfg(feature = "failpoints")]
+        if input.is_some() && fail::eval("dispatch-handler-panic", |_| ()).is_some() {
+            panic!("failpoint dispatch-handler-panic");
+        }
+        let now = self.now();
+        if let Some(input) = input {
+            self.machine.handle(input, &now);
+        }
+        let blocked = self.watch.blocked();
+        if blocked != self.machine.is_blocked() {
+            self.machine.handle(Input::Blocked(blocked), &now);
+        }
+        if matches!(self.machine.link(), Link::Idle { .. })
+            && self.publisher.as_ref().is_some_and(|p| !p.is_connected())
+        {
+            self.machine.handle(Input::LinkLost, &now);
+        }
+        while let Some(command) = self.machine.poll_command(&now) {
+            self.run_command(command);
+        }
+        m::leases_held(self.machine.leases_held());
+        if self.machine.rate_saturated() {
+            // It holds what `max_rate` lets it send: records waiting meanwhile wait by design.
+            self.health.progress().made();
+        }
+        now
+    }
+
+    /// A panic in the machine: the daemon is failed and shuts down, releasing what the loop
+    /// holds. Returns `true` if the loop already failed once: then it gives up at once, and
+    /// the leases it holds expire.
+    fn contain(&mut self, panic: &(dyn std::any::Any + Send)) -> bool {
+        let what = panic_message(panic);
+        if self.failed.is_some() {
+            tracing::error!(panic = %what, "dispatch loop panicked again while stopping; its leases will expire");
+            return true;
+        }
+        tracing::error!(panic = %what, "dispatch handler panicked; releasing what is held and stopping");
+        self.health.fail("dispatch");
+        m::task_failure("dispatch");
+        self.failed = Some(what);
+        self.shutdown.cancel();
+        false
+    }
+
+    /// Waits for the next input. The only await of the loop.
+    async fn next_input(&mut self, now: &Now) -> Input {
+        let stopping = self.shutdown.is_cancelled();
+        let tick = self
+            .machine
+            .poll_timeout(now)
+            .map_or(now.at + HEARTBEAT, |t| t.min(now.at + HEARTBEAT))
+            .max(now.at);
+        let answered = self
+            .answered
+            .clone()
+            .filter(|_| self.machine.awaits_answer());
+        let answered = async {
+            match answered {
+                Some(token) => token.cancelled_owned().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = self.shutdown.cancelled(), if !stopping => Input::Shutdown,
+            Some(done) = self.tasks.join_next_with_id() => self.finished(done),
+            _ = self.signals.inserted.notified(), if !stopping => Input::Inserted,
+            _ = self.signals.control.notified(), if !stopping => Input::Control(self.control.get()),
+            _ = answered => Input::Answered,
+            _ = tokio::time::sleep_until(tick) => Input::Timeout,
+        }
+    }
+
+    /// A task ended: what it reports, as the machine's input.
+    fn finished(&mut self, done: Result<(Id, Done), tokio::task::JoinError>) -> Input {
+        let done = match done {
+            Ok((id, done)) => {
+                self.roles.remove(&id);
+                done
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "a dispatch task died");
+                return match self.roles.remove(&e.id()) {
+                    Some(Role::Link) => {
+                        // The same broker, and the watch the loop reads (issue 25, 8.8: a
+                        // publisher built afresh had a watch of its own, and
+                        // `connection.blocked` went unseen from then on).
+                        self.publisher =
+                            Some(Publisher::renewed(&self.config.rabbitmq, &self.watch));
+                        self.answered = None;
+                        self.stop_waiting = None;
+                        Input::LinkDied
+                    }
+                    Some(Role::Claim) => {
+                        let why = StoreError::Panicked("the claim task died".into());
+                        Input::Claimed(Err(why))
+                    }
+                    Some(Role::Settle) | None => {
+                        tracing::error!(
+                            "settling panicked; its records come back when their lease expires"
+                        );
+                        Input::Settled { refused: None }
+                    }
+                };
+            }
+        };
+        match done {
+            Done::Read(result) => Input::Candidates(result),
+            Done::Taken(result) => Input::Claimed(result),
+            Done::Connected(publisher, result) => {
+                let result = result.map(|()| publisher.frame_max());
+                self.publisher = Some(*publisher);
+                Input::Connected(result)
+            }
+            Done::Sent(publisher, outcomes) => {
+                let open = publisher.is_connected().then(|| publisher.frame_max());
+                self.publisher = Some(*publisher);
+                self.answered = None;
+                self.stop_waiting = None;
+                Input::WaveSent { outcomes, open }
+            }
+            Done::Settled { refused } => Input::Settled { refused },
+        }
+    }
+
+    fn spawn(&mut self, role: Role, task: impl Future<Output = Done> + Send + 'static) {
+        let handle = crate::host::spawn_in(&mut self.tasks, task);
+        self.roles.insert(handle.id(), role);
+    }
+
+    fn run_command(&mut self, command: Command) {
+        match command {
+            Command::Read {
+                batch,
+                ahead,
+                excluded,
+            } => {
+                let store = self.store.clone();
+                self.spawn(Role::Claim, async move {
+                    // Tests only: a slow claim (a wake-up must not be lost while it runs).
+                    #[cfg(feature = "failpoints")]
+                    if let Some(Some(ms)) =
+                        fail::eval("claim-delay", |arg| arg.and_then(|a| a.parse::<u64>().ok()))
+                    {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                    let read = store.candidates(batch, ahead, &excluded);
+                    Done::Read(store.bounded("read claim candidates", read).await)
+                });
+            }
+            Command::Take { candidates, lease } => {
+                let store = self.store.clone();
+                self.spawn(Role::Claim, async move {
+                    let take = store.take(candidates, lease);
+                    Done::Taken(store.bounded("take claim candidates", take).await)
+                });
+            }
+            Command::Connect => {
+                let mut publisher = self.take_publisher();
+                let shutdown = self.shutdown.clone();
+                self.spawn(Role::Link, async move {
+                    let result = tokio::select! {
+                        r = publisher.connect() => r,
+                        // Not `Ok`: a connect cut short says nothing of the broker (issue 25:
+                        // it marked RabbitMQ up).
+                        _ = shutdown.cancelled() => Err(PublishError::Stopped),
+                    };
+                    Done::Connected(Box::new(publisher), result)
+                });
+            }
+            Command::Publish {
+                messages,
+                frame_max,
+            } => self.publish(messages, frame_max),
+            Command::StopWaiting => {
+                if let Some(stop) = &self.stop_waiting {
+                    stop.cancel();
+                }
+            }
+            Command::Settle(work) => self.settle(work),
+            Command::History(rows) => {
+                if let Some(sink) = &self.history {
+                    sink.record(rows);
+                }
+            }
+            Command::DrainOver => self.settler.drain_over.cancel(),
+        }
+    }
+
+    /// The publisher, for a task that connects or publishes. The machine does either only
+    /// while the link is down or idle, when the driver holds it; were it ever missing, a new
+    /// one over the same broker and watch connects afresh.
+    fn take_publisher(&mut self) -> Publisher {
+        self.publisher
+            .take()
+            .unwrap_or_else(|| Publisher::renewed(&self.config.rabbitmq, &self.watch))
+    }
+
+    fn settle(&mut self, work: Settle) {
+        let settler = self.settler.clone();
+        let refused = work.refused_destination();
+        self.spawn(Role::Settle, async move {
+            work.run(&settler).await;
+            Done::Settled { refused }
+        });
+    }
+
+    /// Publishes a wave pipelined, in a task that owns the link until the wave ends.
+    fn publish(&mut self, messages: Vec<OutgoingMessage>, built_for: u32) {
+        let mut publisher = self.take_publisher();
+        let (answered, stop_waiting) = (CancellationToken::new(), CancellationToken::new());
+        self.answered = Some(answered.clone());
+        self.stop_waiting = Some(stop_waiting.clone());
+        let shutdown = self.shutdown.clone();
+        self.spawn(Role::Link, async move {
+            // The wave's own connect (the link dropped since the wave was built) yields to
+            // shutdown like every other connect: nothing of the wave went out, so its records
+            // are released.
+            let connected = tokio::select! {
+                biased;
+                connected = publisher.connect() => connected.map_err(Some),
+                _ = shutdown.cancelled() => Err(None),
+            };
+            let not_sent = |why: String| vec![SendOutcome::NotSent(why); messages.len()];
+            let outcomes = match connected {
+                // The link dropped since the wave was built and the new connection has
+                // another limit: the messages were checked against the wrong one.
+                Ok(()) if publisher.frame_max() != built_for => not_sent(format!(
+                    "the connection was reopened with frame_max {} where the wave was built for {built_for}",
+                    publisher.frame_max()
+                )),
+                Ok(()) => {
+                    publisher
+                        .publish_batch(&messages, &stop_waiting, &answered)
+                        .await
+                }
+                Err(Some(e)) => not_sent(e.to_string()),
+                Err(None) => not_sent("shutdown began before the connection was reopened".into()),
+            };
+            Done::Sent(Box::new(publisher), outcomes)
+        });
+    }
+}

@@ -1,0 +1,1505 @@
+//! The dispatch core: one state machine that does no I/O, in the style of `quinn-proto`'s
+//! `Connection`. [`Machine::handle`] takes what happened ([`Input`]), [`Machine::poll_command`]
+//! says what to do next ([`Command`]), [`Machine::poll_timeout`] the next instant it cares
+//! about. It reads no clock (every call is given [`Now`]) and spawns nothing; the driver
+//! (`driver.rs`) runs its commands as tasks and feeds their results back.
+//!
+//! One record's path through it:
+//! 1. **Claim.** When a claim is due and may start ([`Machine::can_claim`]), `Read` names the
+//!    destinations to leave out. The candidates come back ([`Input::Candidates`]); `Take`
+//!    leases them, at once, or, while a wave waits for its broker's first answer, once that
+//!    answer came ([`Input::Answered`]): an instance whose broker stalled hoards nothing.
+//! 2. **Triage** ([`Input::Claimed`]): a row that does not decode or has no destination is
+//!    parked; the rest wait in [`Held`], soonest first, as [`Leased`].
+//! 3. **Wave.** When records fall due and the link is idle, each is checked against the
+//!    lease margin, held back by pauses and rate limits ([`Control`]), built into a message
+//!    against the open connection's `frame_max` (a record no message can carry is parked),
+//!    and the wave goes out in one `Publish`; the link is then [`Link::Publishing`] until
+//!    [`Input::WaveSent`], or its deadline makes the machine say `StopWaiting`.
+//! 4. **Settle.** Each record's outcome queues one [`Settle`]: confirmed ones are removed,
+//!    refused ones retried or parked, the rest released. The queue is bounded: while two
+//!    batches wait in it, no claim starts.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
+
+use bson::{Bson, DateTime};
+
+use super::control::Control;
+use super::leased::{Held, Leased, instant_of, triage};
+use super::settle::{Failure, Settle, SettleQueue, by_lease};
+use super::summary::WaveSummary;
+use crate::config::Config;
+use crate::dispatch::publisher::{PublishError, SendOutcome};
+use crate::host::backoff::Backoff;
+use crate::metrics as m;
+use crate::record::message::{self, OutgoingMessage};
+use crate::service::health::Health;
+use crate::store::StoreError;
+use crate::store::claim::{Candidates, Claim};
+use crate::store::control::Snapshot;
+use crate::store::history::{self, Row};
+use crate::store::lease::{Lease, PrePublish};
+use crate::store::parking::ParkReason;
+use crate::store::serverload::{RETRY_CAP, timed_out};
+
+/// Most settling tasks at once.
+pub const MAX_SETTLING: usize = 8;
+
+/// The instant, as the machine is told it: monotonic, and the server's clock as this instance
+/// can bound it ([`crate::store::clock::ServerClock`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    pub at: Instant,
+    /// The earliest the server's clock can read: "is it due?".
+    pub earliest: DateTime,
+    /// The best estimate: stamps.
+    pub server: DateTime,
+    /// The latest it can read: "how much of the lease is left?".
+    pub latest: DateTime,
+    /// This host's wall clock, for the message's own timestamp.
+    pub wall: SystemTime,
+}
+
+/// What happened.
+#[derive(Debug)]
+pub enum Input {
+    /// SIGTERM or SIGINT, or a failure elsewhere in the daemon.
+    Shutdown,
+    /// A record was inserted due before the next poll.
+    Inserted,
+    /// The pauses and ramps in force (the same `Arc` again is no change).
+    Control(Arc<Snapshot>),
+    /// The broker blocked (`true`) or unblocked the open connection.
+    Blocked(bool),
+    /// The idle link was found closed.
+    LinkLost,
+    /// A connect ended: the connection's `frame_max`, or why it failed.
+    Connected(Result<u32, PublishError>),
+    /// The broker answered one publish of the wave in flight.
+    Answered,
+    /// The wave ended: one outcome per message, and the connection's `frame_max` if it is
+    /// still open.
+    WaveSent {
+        outcomes: Vec<SendOutcome>,
+        open: Option<u32>,
+    },
+    /// The task that had the link died (panicked): the wave's outcomes are unknown.
+    LinkDied,
+    /// A claim's read came back.
+    Candidates(Result<Candidates, StoreError>),
+    /// A claim's take came back.
+    Claimed(Result<Claim, StoreError>),
+    /// Settling work ended; `refused`: the destination of a refused send it retried or parked.
+    Settled { refused: Option<String> },
+    /// Time passed (a deadline of [`Machine::poll_timeout`], or the heartbeat).
+    Timeout,
+}
+
+/// What to do next.
+#[derive(Debug)]
+pub enum Command {
+    /// Read up to `batch` claimable records due within `ahead`, leaving out `excluded`.
+    Read {
+        batch: u32,
+        ahead: Duration,
+        excluded: Vec<String>,
+    },
+    /// Lease the candidates read for `lease`.
+    Take {
+        candidates: Candidates,
+        lease: Duration,
+    },
+    /// Open the link.
+    Connect,
+    /// Publish a wave built against `frame_max`; it reports [`Input::Answered`] at the first
+    /// answer and [`Input::WaveSent`] at its end.
+    Publish {
+        messages: Vec<OutgoingMessage>,
+        frame_max: u32,
+    },
+    /// The wave's deadline passed: stop waiting for its publishes and confirms.
+    StopWaiting,
+    Settle(Settle),
+    /// Confirmed waves, for `[history] keep`.
+    History(Vec<Row>),
+    /// The shutdown's drain is over: removals still running give up.
+    DrainOver,
+}
+
+/// The RabbitMQ link, as the machine knows it.
+#[derive(Debug)]
+pub enum Link {
+    /// Closed; the next connect may start at `retry_at`.
+    Down {
+        retry_at: Instant,
+    },
+    Opening,
+    /// Open, with the connection's `frame_max`.
+    Idle {
+        frame_max: u32,
+    },
+    /// A wave is out.
+    Publishing(Wave),
+}
+
+/// The wave in flight.
+#[derive(Debug)]
+pub struct Wave {
+    /// Its records, in message order, and each message's `MessageId` (for history).
+    records: Vec<Leased>,
+    message_ids: Vec<Option<String>>,
+    started: Instant,
+    /// When its publishes and confirms stop being awaited.
+    deadline: Instant,
+    stopped: bool,
+    /// The broker answered one of its publishes.
+    answered: bool,
+}
+
+/// The claim in flight.
+#[derive(Debug)]
+enum Step {
+    Idle,
+    /// Reading; `gate`: whether it started beside a wave the broker had not answered.
+    Reading {
+        started: Instant,
+        gate: Gate,
+    },
+    /// Read; waiting for the first answer to the wave in flight before taking them.
+    Gated {
+        started: Instant,
+        spent: Duration,
+        candidates: Candidates,
+    },
+    Taking {
+        started: Instant,
+        spent: Duration,
+        resumed: Instant,
+    },
+}
+
+/// What a claim that started beside an unanswered wave waits for before it takes anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gate {
+    /// Nothing: the link had proved it answers.
+    Open,
+    /// The wave's first answer.
+    Waiting,
+    /// The wave ended (or shutdown began) unanswered: the claim takes nothing.
+    Shut,
+}
+
+/// When the next claim runs: every poll interval counted from the start of the last claim, at
+/// once while more is due, at once after a wake-up (even one that came while a claim ran),
+/// later after a failure, and never during the hold-off after unconfirmed waves.
+#[derive(Debug)]
+struct Claims {
+    poll: Duration,
+    step: Step,
+    next_at: Instant,
+    /// A wake-up came while a claim ran: claim again as soon as it returns.
+    woken: bool,
+    /// No claim before this (publishes went unconfirmed), whatever else says "at once".
+    not_before: Instant,
+    /// Spaces claims after failures (and after a timed-out one, not before its abandoned run
+    /// ended on the server: `[mongodb] operation_timeout` more).
+    failures: Backoff,
+    /// Spaces claims after waves whose publishes went unconfirmed; reset only by a wave the
+    /// broker confirmed. Not the reconnect back-off: the link that withholds confirms
+    /// reconnects fine, and the hold-off must grow all the same (issue 25, 8.5).
+    unconfirmed: Backoff,
+}
+
+impl Claims {
+    fn is_due(&self, at: Instant) -> bool {
+        matches!(self.step, Step::Idle) && at >= self.next_at()
+    }
+
+    fn next_at(&self) -> Instant {
+        self.next_at.max(self.not_before)
+    }
+
+    fn wake(&mut self, at: Instant) {
+        match self.step {
+            Step::Idle => self.next_at = at,
+            _ => self.woken = true,
+        }
+    }
+
+    fn finished(&mut self, started: Instant, more: bool, at: Instant) {
+        self.step = Step::Idle;
+        self.next_at = if more || std::mem::take(&mut self.woken) {
+            at
+        } else {
+            // `poll_interval` comes from the configuration: it may be absurd.
+            crate::deadline::later(started, self.poll)
+        };
+    }
+
+    /// A claim failed: try again after `wait` (a wake-up does not hurry a failing server).
+    fn failed(&mut self, wait: Duration, at: Instant) {
+        self.step = Step::Idle;
+        self.woken = false;
+        self.next_at = at + wait;
+    }
+
+    fn hold_off(&mut self, wait: Duration, at: Instant) {
+        self.not_before = self.not_before.max(at + wait);
+    }
+}
+
+/// The dispatch core's state. One per process.
+pub struct Machine {
+    config: Arc<Config>,
+    health: Arc<Health>,
+    link: Link,
+    /// Spaces the reconnects; reset by a connect that succeeds.
+    reconnect: Backoff,
+    /// The broker blocks the open connection (a memory or disk alarm).
+    blocked: bool,
+    claims: Claims,
+    held: Held,
+    settle: SettleQueue,
+    settling: usize,
+    control: Control,
+    history: bool,
+    /// When shutdown began.
+    stopping: Option<Instant>,
+    drained: bool,
+    /// Commands decided by an input, given out before anything else.
+    outbox: VecDeque<Command>,
+}
+
+impl Machine {
+    /// `history`: whether confirmed waves are recorded (`[history] keep`).
+    pub fn new(config: Arc<Config>, health: Arc<Health>, history: bool, at: Instant) -> Self {
+        Self {
+            claims: Claims {
+                poll: config.dispatch.poll_interval,
+                step: Step::Idle,
+                next_at: at,
+                woken: false,
+                not_before: at,
+                failures: Backoff::new(Duration::from_millis(100), RETRY_CAP),
+                unconfirmed: Backoff::reconnect(),
+            },
+            control: Control::new(config.clone()),
+            config,
+            health,
+            link: Link::Down { retry_at: at },
+            reconnect: Backoff::reconnect(),
+            blocked: false,
+            held: Held::default(),
+            settle: SettleQueue::default(),
+            settling: 0,
+            history,
+            stopping: None,
+            drained: false,
+            outbox: VecDeque::new(),
+        }
+    }
+
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    pub fn is_blocked(&self) -> bool {
+        self.blocked
+    }
+
+    /// Whether a wave waits for the broker's first answer.
+    pub fn awaits_answer(&self) -> bool {
+        matches!(&self.link, Link::Publishing(w) if !w.answered && !w.stopped)
+    }
+
+    /// Records this instance holds under a lease and has not settled: held and in flight.
+    pub fn leases_held(&self) -> usize {
+        let in_flight = match &self.link {
+            Link::Publishing(w) => w.records.len(),
+            _ => 0,
+        };
+        self.held.len() + in_flight
+    }
+
+    /// Whether it holds what its own `max_rate` lets it send: records wait by design.
+    pub fn rate_saturated(&self) -> bool {
+        self.control.saturated(self.held.len())
+    }
+
+    /// Shutdown began and nothing is left: nothing held, in flight, queued or running.
+    pub fn is_done(&self) -> bool {
+        self.stopping.is_some()
+            && matches!(self.claims.step, Step::Idle)
+            && matches!(self.link, Link::Down { .. } | Link::Idle { .. })
+            && self.settling == 0
+            && self.settle.is_empty()
+            && self.held.is_empty()
+    }
+
+    /// Whether a claim may start once its time comes: the link is up and not blocked by the
+    /// broker, no claim is running, and fewer than two batches are held and fewer than two
+    /// wait to settle (a destination that refuses every send makes settling work as fast as
+    /// claims make records: the claims wait for it, so that nothing waits to settle until its
+    /// lease runs out; two, so that while one batch of refusals settles, a claim that leaves
+    /// their destination out still serves the others).
+    pub fn can_claim(&self) -> bool {
+        let cap = 2 * self.config.dispatch.batch_size as usize;
+        matches!(self.link, Link::Idle { .. } | Link::Publishing(_))
+            && self.stopping.is_none()
+            && !self.blocked
+            && matches!(self.claims.step, Step::Idle)
+            && self.held.len() < cap
+            && !self.settle.is_full(cap)
+            && !self.rate_saturated()
+    }
+
+    /// The next instant the machine cares about: a record falling due, a claim, a
+    /// reconnect, the wave's deadline, the end of the shutdown's drain.
+    pub fn poll_timeout(&self, now: &Now) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut at = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
+        match &self.link {
+            Link::Down { retry_at } if self.stopping.is_none() => at(*retry_at),
+            Link::Publishing(w) if !w.stopped => at(w.deadline),
+            _ => {}
+        }
+        if matches!(self.link, Link::Down { .. } | Link::Idle { .. })
+            && let Some(due) = self.held.next_due()
+        {
+            at(instant_of(due, now.earliest, now.at));
+        }
+        if self.can_claim() {
+            at(self.claims.next_at());
+        }
+        if let Some(began) = self.stopping
+            && !self.drained
+        {
+            at(self.drain_at(began));
+        }
+        next
+    }
+
+    /// What happened.
+    pub fn handle(&mut self, input: Input, now: &Now) {
+        match input {
+            Input::Shutdown => self.on_shutdown(now),
+            Input::Inserted => self.claims.wake(now.at),
+            Input::Control(snapshot) => {
+                if let Some(paused) = self.control.apply(snapshot, &mut self.held) {
+                    self.release(paused, "paused");
+                    self.claims.wake(now.at);
+                }
+            }
+            Input::Blocked(blocked) => self.on_blocked(blocked),
+            Input::LinkLost => {
+                if matches!(self.link, Link::Idle { .. }) {
+                    tracing::warn!("RabbitMQ connection lost; reconnecting");
+                    self.health.set_up(m::RABBITMQ, false);
+                    self.link = Link::Down { retry_at: now.at };
+                }
+            }
+            Input::Connected(result) => self.on_connected(result, now),
+            Input::Answered => self.on_answered(now.at),
+            Input::WaveSent { outcomes, open } => self.on_wave_sent(outcomes, open, now),
+            Input::LinkDied => {
+                tracing::error!("the task that had the RabbitMQ link died; reconnecting");
+                if let Link::Publishing(wave) =
+                    std::mem::replace(&mut self.link, Link::Down { retry_at: now.at })
+                {
+                    // The wave's outcomes are unknown: possible duplicates.
+                    m::possible_duplicates(m::DUPLICATE_PANIC, wave.records.len());
+                    self.release(wave.records, "publish_failed");
+                    self.end_gate(false, now.at);
+                }
+            }
+            Input::Candidates(result) => self.on_candidates(result, now),
+            Input::Claimed(result) => self.on_claimed(result, now),
+            Input::Settled { refused } => {
+                self.settling = self.settling.saturating_sub(1);
+                self.control.leave_out(refused, now.at);
+            }
+            Input::Timeout => {}
+        }
+    }
+
+    /// What to do next; `None` when nothing is due now.
+    pub fn poll_command(&mut self, now: &Now) -> Option<Command> {
+        if let Some(command) = self.outbox.pop_front() {
+            return Some(command);
+        }
+        if let Some(began) = self.stopping
+            && !self.drained
+            && now.at >= self.drain_at(began)
+        {
+            self.drained = true;
+            return Some(Command::DrainOver);
+        }
+        if let Link::Publishing(w) = &mut self.link
+            && !w.stopped
+            && now.at >= w.deadline
+        {
+            w.stopped = true;
+            let answered = w.answered;
+            self.end_gate(answered, now.at);
+            return Some(Command::StopWaiting);
+        }
+        if let Some(work) = self.next_settling(now) {
+            return Some(Command::Settle(work));
+        }
+        if self.stopping.is_some() {
+            return None;
+        }
+        if let Link::Down { retry_at } = self.link
+            && now.at >= retry_at
+        {
+            self.link = Link::Opening;
+            return Some(Command::Connect);
+        }
+        // Due by the earliest the server's clock can read (never before it is due there).
+        if self.held.next_due().is_some_and(|d| d <= now.earliest) {
+            match self.link {
+                Link::Idle { frame_max } => {
+                    if let Some(publish) = self.wave(frame_max, now) {
+                        return Some(publish);
+                    }
+                    // Everything due was held back, released or parked: settle it.
+                    return self.poll_command(now);
+                }
+                // No wave is built without a link: its frame_max would be a guess. What
+                // falls due while the reconnect waits out its back-off is released, so that
+                // an instance whose broker answers can send it.
+                Link::Down { .. } => {
+                    let due = self.held.take_due(now.earliest);
+                    for _ in &due {
+                        m::publish_failure("connection");
+                    }
+                    self.release(due, "publish_failed");
+                    return self.poll_command(now);
+                }
+                Link::Opening | Link::Publishing(_) => {}
+            }
+        }
+        if self.can_claim() && self.claims.is_due(now.at) {
+            let gate = match self.awaits_answer() {
+                true => Gate::Waiting,
+                false => Gate::Open,
+            };
+            self.claims.step = Step::Reading {
+                started: now.at,
+                gate,
+            };
+            let d = &self.config.dispatch;
+            return Some(Command::Read {
+                batch: d.batch_size,
+                ahead: d.look_ahead(),
+                excluded: self.control.excluded(&self.held, now.at, now.server),
+            });
+        }
+        None
+    }
+
+    /// The next settling work while a slot is free. Work that would outlive its lease is
+    /// released first.
+    fn next_settling(&mut self, now: &Now) -> Option<Settle> {
+        let margin = self.config.dispatch.lease_safety_margin;
+        self.settle.release_expiring(now.latest, margin);
+        if self.settling >= MAX_SETTLING {
+            return None;
+        }
+        let work = self.settle.pop()?;
+        self.settling += 1;
+        Some(work)
+    }
+
+    /// When the shutdown's drain ends: `shutdown_timeout` and half the daemon's grace after
+    /// it began (the other half is for what follows the loop).
+    fn drain_at(&self, began: Instant) -> Instant {
+        let limit = self.config.dispatch.shutdown_timeout;
+        crate::deadline::later(
+            began,
+            limit.saturating_add(crate::service::shutdown::GRACE / 2),
+        )
+    }
+
+    /// Shutdown: no new claims; what is held and not sent is released at once; the wave in
+    /// flight is waited for at most `shutdown_timeout`.
+    fn on_shutdown(&mut self, now: &Now) {
+        self.stopping = Some(now.at);
+        let held = self.held.take_all();
+        if !held.is_empty() {
+            tracing::info!(
+                records = held.len(),
+                "shutdown: releasing claimed records not yet sent"
+            );
+        }
+        self.release(held, "shutdown");
+        self.end_gate(false, now.at);
+        let limit = crate::deadline::later(now.at, self.config.dispatch.shutdown_timeout);
+        if let Link::Publishing(w) = &mut self.link {
+            w.deadline = w.deadline.min(limit);
+        }
+    }
+
+    /// Follows `connection.blocked` and `connection.unblocked`: while blocked nothing is
+    /// claimed, what is held is released (it cannot be sent), and `/readyz` is 503.
+    fn on_blocked(&mut self, blocked: bool) {
+        if blocked == self.blocked {
+            return;
+        }
+        self.blocked = blocked;
+        self.health.set_blocked(blocked);
+        m::rabbitmq_blocked(blocked);
+        if blocked {
+            tracing::warn!(
+                "RabbitMQ blocked the connection (memory or disk alarm): not claiming until it unblocks"
+            );
+            self.release_blocked();
+        } else {
+            tracing::info!("RabbitMQ unblocked the connection; claiming again");
+        }
+    }
+
+    fn release_blocked(&mut self) {
+        let held = self.held.take_all();
+        if !held.is_empty() {
+            tracing::info!(
+                records = held.len(),
+                "releasing claimed records: RabbitMQ blocks the connection"
+            );
+            self.release(held, "blocked");
+        }
+    }
+
+    fn on_connected(&mut self, result: Result<u32, PublishError>, now: &Now) {
+        self.link = match result {
+            Ok(frame_max) => {
+                tracing::info!("RabbitMQ connection open");
+                self.health.set_up(m::RABBITMQ, true);
+                self.reconnect.reset();
+                Link::Idle { frame_max }
+            }
+            Err(PublishError::Stopped) => {
+                tracing::debug!("shutdown began before the RabbitMQ connection was open");
+                Link::Down { retry_at: now.at }
+            }
+            Err(e) => {
+                self.health.set_up(m::RABBITMQ, false);
+                let wait = self.reconnect.next_delay();
+                tracing::warn!(error = %e, retry_in = ?wait, "RabbitMQ unreachable; not claiming");
+                Link::Down {
+                    retry_at: now.at + wait,
+                }
+            }
+        };
+    }
+
+    fn on_candidates(&mut self, result: Result<Candidates, StoreError>, now: &Now) {
+        let Step::Reading { started, gate } = self.claims.step else {
+            return;
+        };
+        let spent = now.at.saturating_duration_since(started);
+        match result {
+            Err(e) => self.claim_failed(e, now),
+            // Nothing is taken during shutdown, after the wave it waited on ended unanswered,
+            // or during the hold-off after unconfirmed publishes (the records they released
+            // may be among the candidates).
+            Ok(candidates)
+                if self.stopping.is_some()
+                    || gate == Gate::Shut
+                    || now.at < self.claims.not_before =>
+            {
+                let lease = self.config.dispatch.lock_lease;
+                let more = candidates.abandoned(lease, now.server).more;
+                self.claims.finished(started, more, now.at);
+            }
+            // A claim beside an unanswered wave takes its candidates only once the broker
+            // answered that wave: the database is not idle while the broker works, and an
+            // instance whose broker stalled hoards nothing.
+            Ok(candidates) if gate == Gate::Waiting && !candidates.is_empty() => {
+                self.claims.step = Step::Gated {
+                    started,
+                    spent,
+                    candidates,
+                };
+            }
+            Ok(candidates) => self.take(started, spent, candidates, now.at),
+        }
+    }
+
+    fn take(&mut self, started: Instant, spent: Duration, candidates: Candidates, at: Instant) {
+        self.claims.step = Step::Taking {
+            started,
+            spent,
+            resumed: at,
+        };
+        let lease = self.config.dispatch.lock_lease;
+        self.outbox.push_back(Command::Take { candidates, lease });
+    }
+
+    fn on_answered(&mut self, at: Instant) {
+        if let Link::Publishing(w) = &mut self.link {
+            w.answered = true;
+        }
+        self.end_gate(true, at);
+    }
+
+    /// The wait of a gated claim is over: it takes its candidates (`take`), or takes nothing
+    /// (the wave ended unanswered, or shutdown). A claim still reading learns it too.
+    fn end_gate(&mut self, take: bool, at: Instant) {
+        if let Step::Reading { gate, .. } = &mut self.claims.step
+            && *gate == Gate::Waiting
+        {
+            *gate = if take { Gate::Open } else { Gate::Shut };
+        }
+        if !matches!(self.claims.step, Step::Gated { .. }) {
+            return;
+        }
+        let Step::Gated {
+            started,
+            spent,
+            candidates,
+        } = std::mem::replace(&mut self.claims.step, Step::Idle)
+        else {
+            return;
+        };
+        // The claim's duration leaves the wait out.
+        if take {
+            self.take(started, spent, candidates, at);
+        } else {
+            let lease = self.config.dispatch.lock_lease;
+            let more = candidates.abandoned(lease, DateTime::MIN).more;
+            self.claims.finished(started, more, at);
+        }
+    }
+
+    fn claim_failed(&mut self, e: StoreError, now: &Now) {
+        self.health.set_up(m::MONGODB, false);
+        let mut wait = self.claims.failures.next_delay();
+        if timed_out(&e) {
+            // Not before the abandoned run ended on the server.
+            wait += self.config.mongodb.operation_timeout;
+        }
+        tracing::warn!(error = %e, retry_in = ?wait, "claim failed");
+        self.claims.failed(wait, now.at);
+    }
+
+    fn on_claimed(&mut self, result: Result<Claim, StoreError>, now: &Now) {
+        let Step::Taking {
+            started,
+            spent,
+            resumed,
+        } = self.claims.step
+        else {
+            return;
+        };
+        let claim = match result {
+            Ok(claim) => claim,
+            Err(e) => return self.claim_failed(e, now),
+        };
+        self.health.set_up(m::MONGODB, true);
+        if claim.read > 0 {
+            // The claim path reaches due records (taken, or lost to a racing instance).
+            self.health.progress().made();
+        }
+        self.claims.failures.reset();
+        m::claim_duration(spent + now.at.saturating_duration_since(resumed));
+        self.claims.finished(started, claim.more, now.at);
+        if claim.rows.is_empty() {
+            return;
+        }
+        let lease = claim.lease;
+        let owner = lease.owner;
+        // At info, with the instance: ties the owner `list` shows to the process holding it.
+        tracing::info!(%owner, instance = crate::service::buildinfo::instance(), claimed = claim.rows.len(), "claimed batch");
+        m::claimed(claim.rows.len());
+        if self.stopping.is_some() {
+            let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
+            return self.release_ids(rows, "shutdown");
+        }
+        for row in claim.rows {
+            match triage(row.record) {
+                Ok(record) => self.held.push(Leased {
+                    id: row.id,
+                    raw: row.raw,
+                    record,
+                    lease,
+                }),
+                Err((reason, error)) => {
+                    let poison = Failure::poison(reason, error);
+                    m::skipped(poison.reason.as_str(), 1);
+                    self.settle.push(Settle::Park {
+                        id: row.id,
+                        raw: Box::new(row.raw),
+                        destination: String::new(),
+                        lease,
+                        failure: poison,
+                    });
+                }
+            }
+        }
+        if self.blocked {
+            self.release_blocked();
+        }
+    }
+
+    /// Builds a wave of every held record that is due: too-late ones are released,
+    /// unsendable ones parked, held-back ones sorted by [`Control::hold_back`]. `None` when
+    /// nothing is left to publish.
+    fn wave(&mut self, frame_max: u32, now: &Now) -> Option<Command> {
+        let margin = self.config.dispatch.lease_safety_margin;
+        let due = self.held.take_due(now.earliest);
+        let sorted = self
+            .control
+            .hold_back(due, now.at, now.earliest, now.latest);
+        for (ids, reason) in sorted.release {
+            self.release_ids(ids, reason);
+        }
+        for (r, at_ms) in sorted.later {
+            self.held.defer(r, at_ms);
+        }
+        let mut too_late = Vec::new();
+        let mut messages = Vec::new();
+        let mut records = Vec::new();
+        for r in sorted.send {
+            // The lease left by the latest the server's clock can read.
+            if r.lease.before_publish(now.latest, margin) != PrePublish::Publish {
+                too_late.push((r.id, r.lease));
+                continue;
+            }
+            match message::build_contained(&r.record, &self.config.rabbitmq, now.wall, frame_max) {
+                Ok(m) => {
+                    messages.push(m);
+                    records.push(r);
+                }
+                Err(unsendable) => {
+                    m::skipped("unsendable", 1);
+                    self.settle.push(Settle::Park {
+                        id: r.id,
+                        destination: r.record.destination.clone(),
+                        raw: Box::new(r.raw),
+                        lease: r.lease,
+                        failure: Failure::poison(ParkReason::Unsendable, unsendable.to_string()),
+                    });
+                }
+            }
+        }
+        if !too_late.is_empty() {
+            m::skipped("margin", too_late.len());
+            self.release_ids(too_late, "margin");
+        }
+        if messages.is_empty() {
+            return None;
+        }
+        tracing::debug!(records = messages.len(), "publishing a wave");
+        let message_ids = messages
+            .iter()
+            .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
+            .collect();
+        self.link = Link::Publishing(Wave {
+            records,
+            message_ids,
+            started: now.at,
+            deadline: crate::deadline::later(now.at, self.config.rabbitmq.publish_timeout),
+            stopped: false,
+            answered: false,
+        });
+        if let Some(began) = self.stopping {
+            let limit = crate::deadline::later(began, self.config.dispatch.shutdown_timeout);
+            if let Link::Publishing(w) = &mut self.link {
+                w.deadline = w.deadline.min(limit);
+            }
+        }
+        Some(Command::Publish {
+            messages,
+            frame_max,
+        })
+    }
+
+    /// A wave's outcomes are known: each record is settled now, the wave is summarised in
+    /// one line, and the confirmed records go to history (which nothing here waits for).
+    fn on_wave_sent(&mut self, outcomes: Vec<SendOutcome>, open: Option<u32>, now: &Now) {
+        let next = match open {
+            Some(frame_max) => Link::Idle { frame_max },
+            None => Link::Down { retry_at: now.at },
+        };
+        let Link::Publishing(wave) = std::mem::replace(&mut self.link, next) else {
+            return;
+        };
+        self.end_gate(wave.answered, now.at);
+        let took = now.at.saturating_duration_since(wave.started);
+        m::publish_confirm(took);
+        self.health.set_up(m::RABBITMQ, open.is_some());
+        let confirmed_at = now.server;
+        let mut summary = WaveSummary::default();
+        let (mut confirmed, mut failed, mut refusing, mut unknown, mut fired) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let outcomes = outcomes
+            .into_iter()
+            .chain(std::iter::repeat(SendOutcome::NotSent("no outcome".into())));
+        for ((r, outcome), message_id) in
+            wave.records.into_iter().zip(outcomes).zip(wave.message_ids)
+        {
+            let (id, destination, owner) = (r.record.id, &r.record.destination, r.lease.owner);
+            let correlation_id = r.record.process_manager_id;
+            match outcome {
+                SendOutcome::Confirmed => {
+                    let late_ms = confirmed_at
+                        .timestamp_millis()
+                        .saturating_sub(r.record.due.timestamp_millis());
+                    tracing::debug!(timeout_id = %id, %correlation_id, %destination, %owner, late_ms, "timeout sent");
+                    m::dispatched(r.record.due, confirmed_at);
+                    self.health.progress().made();
+                    summary.confirmed(destination, late_ms);
+                    if self.history {
+                        fired.push(history::fired(&r.id, &r.record, message_id, confirmed_at));
+                    }
+                    self.control.accepted(destination);
+                    confirmed.push(r);
+                }
+                SendOutcome::Returned | SendOutcome::Nacked => {
+                    summary.refused += 1;
+                    refusing.push(destination.clone());
+                    m::publish_failure(outcome.reason());
+                    self.settle.push(Settle::Refused {
+                        leased: Box::new(r),
+                        outcome,
+                    });
+                }
+                other => {
+                    summary.failed += 1;
+                    if other.outcome_unknown() {
+                        // The broker may have it: releasing lets a peer send it again, a
+                        // possible duplicate, counted by its cause.
+                        tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish outcome unknown; releasing (it may be sent again)");
+                        let cause = match other {
+                            SendOutcome::TimedOut => m::DUPLICATE_TIMEOUT,
+                            _ => m::DUPLICATE_CONNECTION,
+                        };
+                        m::possible_duplicates(cause, 1);
+                        unknown.push(r.id.clone());
+                    } else {
+                        tracing::warn!(timeout_id = %id, %correlation_id, %destination, %owner, reason = other.reason(), detail = ?other, "publish failed; releasing");
+                    }
+                    m::publish_failure(other.reason());
+                    failed.push((r.id, r.lease));
+                }
+            }
+        }
+        summary.log(took);
+        let any_confirmed = !confirmed.is_empty();
+        self.control.leave_out(refusing, now.at);
+        for (lease, records) in by_lease(confirmed, |r| r.lease) {
+            self.settle.push(Settle::Remove { lease, records });
+        }
+        if !fired.is_empty() {
+            self.outbox.push_back(Command::History(fired));
+        }
+        // A wave that outlived its leases may see a claim of this instance take the same
+        // records again meanwhile: those copies must wait for the hold-off too (simulation
+        // seed 5067: sent again 2 ms after the wave gave up on them).
+        let again = self.held.take_matching(|h| unknown.contains(&h.id));
+        failed.extend(again.into_iter().map(|r| (r.id, r.lease)));
+        self.release_ids(failed, "publish_failed");
+        if !unknown.is_empty() {
+            // A link that withholds confirms must not get the same records again at once, and
+            // gets them later and later while it goes on withholding them: its own back-off,
+            // which the reconnect that usually follows does not reset.
+            let wait = self.claims.unconfirmed.next_delay();
+            tracing::warn!(retry_in = ?wait, "publishes went unconfirmed; backing off before the next claim");
+            self.claims.hold_off(wait, now.at);
+        } else if any_confirmed {
+            self.claims.unconfirmed.reset();
+        }
+    }
+
+    /// Queues the release of records this instance holds, ahead of other settling.
+    fn release(&mut self, records: Vec<Leased>, reason: &'static str) {
+        self.release_ids(
+            records.into_iter().map(|r| (r.id, r.lease)).collect(),
+            reason,
+        );
+    }
+
+    fn release_ids(&mut self, held: Vec<(Bson, Lease)>, reason: &'static str) {
+        for work in Settle::releases(held, reason) {
+            self.settle.push(work);
+        }
+    }
+}
+
+/// The machine dropped before it settled everything (the loop aborted at the end of the
+/// shutdown's drain, or stopped after a second panic): confirmed records that waited for a
+/// removal, and a wave's records whose outcome never came back, stay leased and are sent
+/// again after the lease. They are counted as possible duplicates.
+impl Drop for Machine {
+    fn drop(&mut self) {
+        let in_flight = match &self.link {
+            Link::Publishing(w) => w.records.len(),
+            _ => 0,
+        };
+        let unsettled = self.settle.unremoved() + in_flight;
+        if unsettled > 0 {
+            tracing::warn!(
+                records = unsettled,
+                "the dispatch loop ended with sent records not removed; they may be sent again after the lease"
+            );
+            m::possible_duplicates(m::DUPLICATE_SHUTDOWN, unsettled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The machine's rules, each driven by inputs on a clock the test moves: no server, no
+    //! runtime, no wall time.
+
+    use std::time::UNIX_EPOCH;
+
+    use bson::doc;
+
+    use super::*;
+    use crate::record::TimeoutRecord;
+    use crate::store::claim::ClaimedRow;
+
+    /// A machine and the instant it is told.
+    struct Rig {
+        m: Machine,
+        t0: Instant,
+        at: Instant,
+        base_ms: i64,
+    }
+
+    impl Rig {
+        fn new(config: Config) -> Self {
+            let t0 = Instant::now();
+            let poll = config.dispatch.poll_interval;
+            let health = Arc::new(Health::new(poll));
+            Self {
+                m: Machine::new(Arc::new(config), health, false, t0),
+                t0,
+                at: t0,
+                base_ms: 1_800_000_000_000,
+            }
+        }
+
+        /// Connected, idle, nothing claimed.
+        fn up(config: Config) -> Self {
+            let mut r = Self::new(config);
+            assert!(matches!(r.commands()[..], [Command::Connect]));
+            r.handle(Input::Connected(Ok(message::DEFAULT_FRAME_MAX)));
+            r
+        }
+
+        fn now(&self) -> Now {
+            let ms = self.base_ms + self.at.duration_since(self.t0).as_millis() as i64;
+            let t = DateTime::from_millis(ms);
+            Now {
+                at: self.at,
+                earliest: t,
+                server: t,
+                latest: t,
+                wall: UNIX_EPOCH + Duration::from_millis(ms as u64),
+            }
+        }
+
+        fn server(&self) -> DateTime {
+            self.now().server
+        }
+
+        fn advance(&mut self, by: Duration) {
+            self.at += by;
+        }
+
+        fn handle(&mut self, input: Input) {
+            let now = self.now();
+            self.m.handle(input, &now);
+        }
+
+        /// Every command due now.
+        fn commands(&mut self) -> Vec<Command> {
+            let now = self.now();
+            std::iter::from_fn(|| self.m.poll_command(&now)).collect()
+        }
+
+        /// A record due now, leased for `lease`, held.
+        fn hold(&mut self, n: i32, lease: Duration) {
+            let now = self.server();
+            self.m.held.push(leased(n, now, Lease::new(now, lease)));
+        }
+
+        /// Publishes what is due; panics if no wave goes out.
+        fn publish(&mut self) -> Vec<OutgoingMessage> {
+            let commands = self.commands();
+            let mut waves = commands.into_iter().filter_map(|c| match c {
+                Command::Publish { messages, .. } => Some(messages),
+                _ => None,
+            });
+            waves.next().expect("a wave")
+        }
+
+        /// One wave of one record with `outcome`; returns the hold-off on claims after it.
+        fn wave(&mut self, n: i32, destination: &str, outcome: SendOutcome) -> Duration {
+            self.hold(n, Duration::from_secs(300));
+            if let Some(r) = self.m.held.take_matching(|r| r.id == Bson::Int32(n)).pop() {
+                let mut r = r;
+                r.record.destination = destination.into();
+                self.m.held.push(r);
+            }
+            self.publish();
+            let open = Some(message::DEFAULT_FRAME_MAX);
+            self.handle(Input::WaveSent {
+                outcomes: vec![outcome],
+                open,
+            });
+            self.m.claims.next_at().saturating_duration_since(self.at)
+        }
+    }
+
+    fn leased(n: i32, due: DateTime, lease: Lease) -> Leased {
+        Leased {
+            id: Bson::Int32(n),
+            raw: doc! {},
+            record: TimeoutRecord {
+                id: crate::host::uuid(),
+                destination: "timeoutd-test-dispatch-unit".into(),
+                process_manager_id: crate::host::uuid(),
+                due,
+                headers: doc! {},
+            },
+            lease,
+        }
+    }
+
+    fn claim_of(rows: Vec<Leased>, lease: Lease) -> Claim {
+        Claim {
+            lease,
+            read: rows.len(),
+            rows: rows
+                .into_iter()
+                .map(|r| ClaimedRow {
+                    id: r.id,
+                    raw: r.raw,
+                    record: Ok(r.record),
+                })
+                .collect(),
+            more: false,
+        }
+    }
+
+    fn is_read(c: &Command) -> bool {
+        matches!(c, Command::Read { .. })
+    }
+
+    #[test]
+    fn one_record_from_claim_to_removal() {
+        let mut r = Rig::up(Config::default());
+        let commands = r.commands();
+        assert!(commands.iter().any(is_read), "{commands:?}");
+        r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+        let commands = r.commands();
+        assert!(
+            matches!(commands[..], [Command::Take { .. }]),
+            "{commands:?}"
+        );
+        let lease = Lease::new(r.server(), Duration::from_secs(60));
+        let claim = claim_of(vec![leased(1, r.server(), lease)], lease);
+        r.handle(Input::Claimed(Ok(claim)));
+        let messages = r.publish();
+        assert_eq!(messages.len(), 1);
+        assert_eq!(r.m.leases_held(), 1);
+        r.handle(Input::WaveSent {
+            outcomes: vec![SendOutcome::Confirmed],
+            open: Some(message::DEFAULT_FRAME_MAX),
+        });
+        let commands = r.commands();
+        assert!(
+            matches!(&commands[..], [Command::Settle(Settle::Remove { records, .. })] if records.len() == 1),
+            "{commands:?}"
+        );
+        assert_eq!(r.m.leases_held(), 0);
+    }
+
+    /// Issue 25, 8.3: with a destination that refuses every send, each wave queued its whole
+    /// batch of refused records to settle, and the next claim started all the same, so the
+    /// queue grew without bound and records waited in it past their lease. Claims now wait
+    /// while two batches wait to settle.
+    #[test]
+    fn claims_wait_while_two_batches_wait_to_settle() {
+        let mut config = Config::default();
+        config.dispatch.batch_size = 10;
+        let mut r = Rig::up(config);
+        assert!(r.m.can_claim(), "nothing held, nothing to settle");
+        let now = r.server();
+        let lease = Lease::new(now, Duration::from_secs(300));
+        for n in 0..20 {
+            r.m.settle.push(Settle::Refused {
+                leased: Box::new(leased(n, now, lease)),
+                outcome: SendOutcome::Returned,
+            });
+        }
+        assert!(
+            !r.m.can_claim(),
+            "a claim starts while 20 records wait to settle"
+        );
+        let _ = r.m.settle.pop();
+        assert!(r.m.can_claim(), "less than two batches wait");
+        r.m.settle.push(Settle::Remove {
+            lease,
+            records: vec![leased(20, now, lease)],
+        });
+        assert!(
+            !r.m.can_claim(),
+            "a confirmed record waiting for removal counts"
+        );
+    }
+
+    /// Issue 25, 8.3: a refused record waited to settle until its lease ran out; its retry
+    /// bookkeeping then found the lease gone (counted as a lost lease) and the record came
+    /// back to a claim. Work that has not started by the lease safety margin is released
+    /// instead, ahead of the rest.
+    #[test]
+    fn settling_not_started_by_the_lease_margin_is_released_instead() {
+        let config = Config::default();
+        let margin = config.dispatch.lease_safety_margin;
+        let mut r = Rig::new(config);
+        let now = r.server();
+        for (n, lease) in [(1, Duration::from_secs(300)), (2, margin / 2)] {
+            r.m.settle.push(Settle::Refused {
+                leased: Box::new(leased(n, now, Lease::new(now, lease))),
+                outcome: SendOutcome::Returned,
+            });
+        }
+        // Every slot is busy: the queue is only looked at.
+        r.m.settling = MAX_SETTLING;
+        assert!(!r.commands().iter().any(|c| matches!(c, Command::Settle(_))));
+        let queued: Vec<String> =
+            r.m.settle
+                .work()
+                .map(|s| match s {
+                    Settle::Release { ids, reason, .. } => format!("release {ids:?} ({reason})"),
+                    Settle::Refused { leased, .. } => format!("retry {:?}", leased.id),
+                    other => format!("{other:?}"),
+                })
+                .collect();
+        assert_eq!(
+            queued,
+            ["release [Int32(2)] (margin)", "retry Int32(1)"],
+            "the record whose lease reaches the margin is released first"
+        );
+    }
+
+    /// Issue 25, 8.5: the claims after an unconfirmed wave were spaced by the link's back-off,
+    /// which the reconnect that follows such a wave reset: the hold-off never grew. It grows
+    /// while waves go unconfirmed, reconnects or not, and starts again after a confirmed wave.
+    #[test]
+    fn the_hold_off_after_unconfirmed_waves_grows_across_reconnects() {
+        let mut r = Rig::up(Config::default());
+        let mut holds = Vec::new();
+        for n in 0..6 {
+            let hold = r.wave(n, "q", SendOutcome::TimedOut);
+            holds.push(hold);
+            // The link was suspect and reconnects; the connect succeeds.
+            r.handle(Input::LinkLost);
+            let _ = r.commands();
+            r.handle(Input::Connected(Ok(message::DEFAULT_FRAME_MAX)));
+            r.advance(hold);
+        }
+        assert!(
+            holds.windows(2).all(|w| w[0] <= w[1]),
+            "the hold-off shrank: {holds:?}"
+        );
+        // From 100 ms doubling: the sixth is at least 3.2 s (it stayed near 100 ms before).
+        assert!(holds[5] >= Duration::from_millis(3_200), "{holds:?}");
+        let _ = r.commands();
+        r.m.claims.step = Step::Idle;
+        assert_eq!(r.wave(6, "q", SendOutcome::Confirmed), Duration::ZERO);
+        let after = r.wave(7, "q", SendOutcome::TimedOut);
+        assert!(after < holds[5], "{after:?} after a confirmed wave");
+    }
+
+    /// Issue 25, 8.3, seen from outside: 20,000 records of a queue that is gone beside a live
+    /// stream; the dead queue's records, oldest first, filled every claim, and their refusals
+    /// kept the claims busy: the live stream was not delivered at all in two minutes
+    /// (`tests/faults.rs`, `a_dead_queue_beside_a_live_stream`). A destination the broker
+    /// refused is left out of this instance's claims for `[retry] base`; a confirmed send to
+    /// it ends that at once.
+    #[test]
+    fn a_destination_that_refuses_sends_is_left_out_of_claims_for_a_while() {
+        let config = Config::default();
+        let base = config.retry.base;
+        let mut r = Rig::up(config);
+        let excluded = |r: &Rig| {
+            let mut e = r.m.control.excluded(&r.m.held, r.at, r.server());
+            e.sort();
+            e
+        };
+        assert!(excluded(&r).is_empty());
+        r.wave(1, "gone", SendOutcome::Returned);
+        r.wave(2, "full", SendOutcome::Nacked);
+        r.wave(3, "live", SendOutcome::Confirmed);
+        assert_eq!(
+            excluded(&r),
+            ["full", "gone"],
+            "refusing destinations are left out"
+        );
+        r.advance(base);
+        assert!(excluded(&r).is_empty(), "tried again after [retry] base");
+        r.wave(4, "gone", SendOutcome::Returned);
+        assert_eq!(excluded(&r), ["gone"]);
+        // Its refusals take a while to settle: the window runs from the last one settled.
+        r.m.settling = 1;
+        r.advance(base - Duration::from_millis(1));
+        r.handle(Input::Settled {
+            refused: Some("gone".into()),
+        });
+        r.advance(Duration::from_millis(2));
+        assert_eq!(
+            excluded(&r),
+            ["gone"],
+            "left out until [retry] base after its last refusal settled"
+        );
+        r.wave(5, "gone", SendOutcome::Confirmed);
+        assert!(
+            excluded(&r).is_empty(),
+            "a confirmed send ends it (the queue is back)"
+        );
+    }
+
+    /// Simulation seed 5067: a wave that outlived its 3 s lease (publish_timeout 5 s) waited
+    /// for a withheld confirm while a claim of the same instance took the record again; when
+    /// the wave gave up on it, the held copy went out in the next wave 2 ms later, past the
+    /// hold-off after unconfirmed waves. The held copy is released with the rest now.
+    #[test]
+    fn a_copy_claimed_again_during_an_unconfirmed_wave_waits_for_the_hold_off() {
+        let mut r = Rig::up(Config::default());
+        r.hold(1, Duration::from_secs(3));
+        r.publish();
+        let now = r.server();
+        let new = Lease::new(now, Duration::from_secs(300));
+        r.m.held.push(leased(1, now, new));
+        r.m.held.push(leased(
+            2,
+            crate::store::lease::add(now, Duration::from_secs(60)),
+            new,
+        ));
+        r.handle(Input::WaveSent {
+            outcomes: vec![SendOutcome::TimedOut],
+            open: None,
+        });
+        let held: Vec<Bson> = r.m.held.take_all().into_iter().map(|l| l.id).collect();
+        assert_eq!(held, [Bson::Int32(2)], "the copy of record 1 is released");
+        let released = r.m.settle.work().any(|s| {
+            matches!(s, Settle::Release { ids, lease, .. } if ids.contains(&Bson::Int32(1)) && lease.owner == new.owner)
+        });
+        assert!(released, "{:?}", r.m.settle.work().collect::<Vec<_>>());
+    }
+
+    /// Finding 4 of issue 19: after a suspect link, a record that fell due was built into a
+    /// wave before the reconnect, against the wrong `frame_max`. A record due while the link
+    /// is down waits for the connect (then it is released, not sent, if the connect waits out
+    /// a back-off), and the wave is built against the connection's own limit.
+    #[test]
+    fn a_wave_is_built_against_the_frame_max_of_the_connection_that_carries_it() {
+        let mut r = Rig::new(Config::default());
+        let now = r.server();
+        let mut big = leased(1, now, Lease::new(now, Duration::from_secs(60)));
+        big.record.headers = doc! { "Big": "x".repeat(20_000) };
+        r.m.held.push(big);
+        let commands = r.commands();
+        assert!(matches!(commands[..], [Command::Connect]), "{commands:?}");
+        assert_eq!(r.m.held.len(), 1, "the record waits for the connect");
+        r.handle(Input::Connected(Ok(8192)));
+        let commands = r.commands();
+        assert!(
+            !commands
+                .iter()
+                .any(|c| matches!(c, Command::Publish { .. })),
+            "published against 8192: {commands:?}"
+        );
+        let parked: Vec<ParkReason> = commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Settle(Settle::Park { failure, .. }) => Some(failure.reason),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(parked, [ParkReason::Unsendable]);
+    }
+
+    /// A claim that read its candidates beside a wave the broker has not answered takes them
+    /// once it answers; a wave that ends unanswered, or shutdown, makes it take nothing.
+    #[test]
+    fn a_claim_beside_an_unanswered_wave_takes_only_once_the_broker_answered() {
+        for end in ["answered", "sent unanswered", "deadline", "shutdown"] {
+            let mut r = Rig::up(Config::default());
+            r.hold(1, Duration::from_secs(60));
+            let commands = r.commands();
+            assert!(
+                matches!(
+                    commands[..],
+                    [Command::Publish { .. }, Command::Read { .. }]
+                ),
+                "{commands:?}"
+            );
+            r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(2)]))));
+            assert!(r.commands().is_empty(), "{end}: took before any answer");
+            match end {
+                "answered" => r.handle(Input::Answered),
+                "sent unanswered" => r.handle(Input::WaveSent {
+                    outcomes: vec![SendOutcome::TimedOut],
+                    open: None,
+                }),
+                "deadline" => r.advance(Duration::from_secs(3600)),
+                _ => r.handle(Input::Shutdown),
+            }
+            let took = r
+                .commands()
+                .iter()
+                .any(|c| matches!(c, Command::Take { .. }));
+            assert_eq!(took, end == "answered", "{end}");
+        }
+    }
+
+    #[test]
+    fn a_wake_up_during_a_claim_is_not_lost() {
+        let mut config = Config::default();
+        config.dispatch.poll_interval = Duration::from_secs(60);
+        let mut r = Rig::up(config);
+        assert!(r.commands().iter().any(is_read));
+        r.handle(Input::Inserted);
+        r.handle(Input::Candidates(Ok(Candidates::of(Vec::new()))));
+        let _ = r.commands();
+        let lease = Lease::new(r.server(), Duration::from_secs(60));
+        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
+        assert!(
+            r.commands().iter().any(is_read),
+            "claims again at once, not a poll later"
+        );
+        r.handle(Input::Candidates(Ok(Candidates::of(Vec::new()))));
+        let _ = r.commands();
+        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
+        assert!(
+            !r.commands().iter().any(is_read),
+            "without a wake-up, the poll"
+        );
+        assert_eq!(
+            r.m.poll_timeout(&r.now()),
+            Some(r.at + Duration::from_secs(60))
+        );
+        r.handle(Input::Inserted);
+        assert!(r.commands().iter().any(is_read));
+    }
+
+    /// An unconfirmed wave sets the hold-off while a claim runs; the claim then returns with
+    /// more to take, or after a wake-up, or fails. None of these may claim (and publish the
+    /// records just released) again before the hold-off ends.
+    #[test]
+    fn a_hold_off_set_while_a_claim_runs_outlasts_it() {
+        for end in ["more", "woken", "failed"] {
+            let mut r = Rig::up(Config::default());
+            assert!(r.commands().iter().any(is_read));
+            let hold = r.wave(1, "q", SendOutcome::TimedOut);
+            let lease = Lease::new(r.server(), Duration::from_secs(60));
+            let mut claim = claim_of(Vec::new(), lease);
+            r.handle(Input::Candidates(Ok(Candidates::of(Vec::new()))));
+            let _ = r.commands();
+            match end {
+                "more" => claim.more = true,
+                "woken" => r.handle(Input::Inserted),
+                _ => {}
+            }
+            let result = match end {
+                "failed" => Err(StoreError::NoServerTime),
+                _ => Ok(claim),
+            };
+            r.handle(Input::Claimed(result));
+            assert!(
+                !r.commands().iter().any(is_read),
+                "{end}: claimed during the hold-off"
+            );
+            r.handle(Input::Inserted);
+            assert!(
+                !r.commands().iter().any(is_read),
+                "{end}: a wake-up cut it short"
+            );
+            r.advance(hold + RETRY_CAP);
+            assert!(r.commands().iter().any(is_read), "{end}");
+        }
+    }
+
+    /// Issue 25, 8.6: the removals give up when the shutdown's drain ends, before the daemon
+    /// aborts the loop: `shutdown_timeout` and half the grace after shutdown began.
+    #[test]
+    fn the_drain_ends_shutdown_timeout_and_half_the_grace_after_shutdown() {
+        let config = Config::default();
+        let limit = config.dispatch.shutdown_timeout + crate::service::shutdown::GRACE / 2;
+        let mut r = Rig::up(config);
+        r.advance(Duration::from_secs(60));
+        let drained = |r: &mut Rig| r.commands().iter().any(|c| matches!(c, Command::DrainOver));
+        assert!(!drained(&mut r), "no shutdown, no end of drain");
+        r.handle(Input::Shutdown);
+        assert_eq!(r.m.poll_timeout(&r.now()), Some(r.at + limit));
+        r.advance(limit - Duration::from_millis(1));
+        assert!(!drained(&mut r));
+        r.advance(Duration::from_millis(1));
+        assert!(drained(&mut r));
+        assert!(
+            !r.m.is_done(),
+            "the claim that was running has not returned"
+        );
+        r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+        assert!(r.commands().is_empty(), "took during shutdown");
+        assert!(r.m.is_done());
+    }
+
+    /// Issue 25: a connect cut short by shutdown reported success, and marked RabbitMQ up
+    /// though nothing ever answered.
+    #[test]
+    fn a_connect_cut_short_by_shutdown_does_not_mark_rabbitmq_up() {
+        let mut r = Rig::new(Config::default());
+        let _ = r.commands();
+        r.handle(Input::Shutdown);
+        r.handle(Input::Connected(Err(PublishError::Stopped)));
+        assert!(matches!(r.m.link, Link::Down { .. }));
+        let readiness = r.m.health.readiness();
+        assert!(
+            readiness.problems.contains(&"rabbitmq unreachable"),
+            "{readiness:?}"
+        );
+    }
+
+    /// While the broker blocks the connection nothing is claimed, and what is held, or
+    /// claimed by a claim that was running, is released.
+    #[test]
+    fn a_blocked_link_claims_nothing_and_holds_nothing() {
+        let mut r = Rig::up(Config::default());
+        assert!(r.commands().iter().any(is_read));
+        r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+        let _ = r.commands();
+        r.hold(9, Duration::from_secs(60));
+        let nine = r.m.held.take_all().remove(0);
+        r.m.held.defer(nine, i64::MAX);
+        r.handle(Input::Blocked(true));
+        assert!(r.m.held.is_empty());
+        let lease = Lease::new(r.server(), Duration::from_secs(60));
+        let later = crate::store::lease::add(r.server(), Duration::from_secs(30));
+        r.handle(Input::Claimed(Ok(claim_of(
+            vec![leased(1, later, lease)],
+            lease,
+        ))));
+        assert!(r.m.held.is_empty(), "claimed while blocked: released");
+        let commands = r.commands();
+        assert!(!commands.iter().any(is_read), "{commands:?}");
+        let released: usize = commands
+            .iter()
+            .map(|c| match c {
+                Command::Settle(s @ Settle::Release { .. }) => s.records(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(released, 2);
+    }
+}
