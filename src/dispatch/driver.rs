@@ -423,3 +423,124 @@ impl Dispatcher {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The driver's own work: tasks that connect and publish yield to shutdown, and a link
+    //! task that dies leaves the loop a publisher whose links its watch follows. MongoDB is
+    //! never contacted.
+
+    use super::*;
+    use crate::dispatch::publisher::tests::fake::FakeBroker;
+    use crate::dispatch::settle::tests::silent_server;
+    use crate::record::TimeoutRecord;
+    use crate::store::clock::ServerClock;
+
+    async fn dispatcher(config: Config, publisher: Option<Publisher>) -> Dispatcher {
+        let store = Store::connect(&config.mongodb, ServerClock::default())
+            .await
+            .expect("store");
+        let publisher = match publisher {
+            Some(p) => p,
+            None => Publisher::new(&config.rabbitmq).expect("publisher"),
+        };
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        Dispatcher::new(
+            Arc::new(config),
+            store,
+            Arc::default(),
+            publisher,
+            health,
+            CancellationToken::new(),
+            Signals::default(),
+        )
+    }
+
+    async fn next_input(d: &mut Dispatcher) -> Input {
+        let done = tokio::time::timeout(Duration::from_secs(20), d.tasks.join_next_with_id())
+            .await
+            .expect("a task ends")
+            .expect("a task");
+        d.finished(done)
+    }
+
+    /// Issue 25, 8.6: a wave whose link dropped reconnects first; that connect did not yield
+    /// to shutdown and held the loop's drain for up to `connect_timeout`. It yields now, and
+    /// the wave's records, not sent, are released.
+    #[tokio::test(start_paused = true)]
+    async fn a_waves_own_connect_yields_to_shutdown() {
+        let (_server, port) = silent_server();
+        let mut config = Config::default();
+        config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+        config.rabbitmq.connect_timeout = Duration::from_secs(600);
+        let mut d = dispatcher(config, None).await;
+        let record = TimeoutRecord {
+            id: crate::host::uuid(),
+            destination: "q".into(),
+            process_manager_id: crate::host::uuid(),
+            due: bson::DateTime::now(),
+            headers: bson::doc! {},
+        };
+        let frame_max = crate::record::message::DEFAULT_FRAME_MAX;
+        let rabbit = &d.config.rabbitmq;
+        let message =
+            crate::record::message::build(&record, rabbit, crate::host::wall_now(), frame_max)
+                .expect("a message");
+        d.publish(vec![message], frame_max);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        d.shutdown.cancel();
+        let began = Instant::now();
+        let Input::WaveSent { outcomes, open } = next_input(&mut d).await else {
+            panic!("not the wave's end");
+        };
+        assert!(
+            began.elapsed() < Duration::from_secs(1),
+            "ended at shutdown, not at its connect's deadline"
+        );
+        assert!(
+            matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
+            "{outcomes:?}"
+        );
+        assert_eq!(open, None);
+    }
+
+    fn the_link_task_panics() -> Done {
+        panic!("the link task panics (test)")
+    }
+
+    /// Issue 25, 8.8: after the task that owned the link died, the publisher was built afresh
+    /// with a watch of its own while the loop kept reading the old one: `connection.blocked`
+    /// went unseen from then on. The recreated publisher shows its links to the loop's watch.
+    #[tokio::test]
+    async fn the_blocked_watch_follows_a_publisher_recreated_after_its_task_died() {
+        let broker = Arc::new(FakeBroker::default());
+        let status = broker.link(Vec::new(), None);
+        let config = Config::default();
+        let publisher = Publisher::with_broker(&config.rabbitmq, broker);
+        let mut d = dispatcher(config, Some(publisher)).await;
+        let owned = d.publisher.take();
+        d.spawn(Role::Link, async move {
+            drop(owned);
+            the_link_task_panics()
+        });
+        assert!(matches!(next_input(&mut d).await, Input::LinkDied));
+        assert!(d.publisher.is_some(), "recreated");
+        d.run_command(Command::Connect);
+        let connected = next_input(&mut d).await;
+        assert!(
+            matches!(connected, Input::Connected(Ok(_))),
+            "{connected:?}"
+        );
+        status.set_blocked(true);
+        d.turn(Some(connected));
+        assert!(d.machine.is_blocked(), "the loop sees the new link blocked");
+        let readiness = d.health.readiness();
+        assert!(
+            readiness
+                .problems
+                .iter()
+                .any(|p| p.starts_with("rabbitmq blocked")),
+            "{readiness:?}"
+        );
+    }
+}

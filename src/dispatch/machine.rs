@@ -1363,6 +1363,30 @@ mod tests {
         }
     }
 
+    /// Found by the simulation while the machine was built (seed 24 of that build, and the
+    /// regression scenario seed-78-hang): a claim that read its candidates while a wave went
+    /// unconfirmed took them after the wave released its records, and the record went out
+    /// again 14 ms after the instance gave up on it, inside the hold-off. Candidates that
+    /// come back during the hold-off are not taken.
+    #[test]
+    fn candidates_read_back_during_the_hold_off_are_not_taken() {
+        let mut r = Rig::up(Config::default());
+        assert!(r.commands().iter().any(is_read));
+        let hold = r.wave(1, "q", SendOutcome::TimedOut);
+        assert!(hold > Duration::ZERO);
+        r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+        let commands = r.commands();
+        assert!(
+            !commands.iter().any(|c| matches!(c, Command::Take { .. })),
+            "{commands:?}"
+        );
+        r.advance(hold);
+        assert!(
+            r.commands().iter().any(is_read),
+            "claims again after the hold-off"
+        );
+    }
+
     #[test]
     fn a_wake_up_during_a_claim_is_not_lost() {
         let mut config = Config::default();

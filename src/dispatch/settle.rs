@@ -630,3 +630,177 @@ pub fn by_lease<T>(items: Vec<T>, lease_of: impl Fn(&T) -> Lease) -> Vec<(Lease,
     }
     groups
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! Removals against a store whose server accepts connections and never answers, on
+    //! virtual time.
+
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use bson::doc;
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::store::clock::ServerClock;
+
+    /// A TCP port that accepts connections (the kernel completes them) and never answers: a
+    /// server that stalled from before the test began.
+    pub(crate) fn silent_server() -> (std::net::TcpListener, u16) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        (listener, port)
+    }
+
+    /// A store on a server that accepts and never answers, with calls bounded by `timeout`.
+    async fn silent_store(port: u16, timeout: Duration) -> Store {
+        let mut config = Config::default();
+        config.mongodb.uri = format!(
+            "mongodb://127.0.0.1:{port}/?directConnection=true&serverSelectionTimeoutMS=36000000"
+        );
+        config.mongodb.operation_timeout = timeout;
+        Store::connect(&config.mongodb, ServerClock::default())
+            .await
+            .expect("store")
+    }
+
+    fn sent(n: i32, now: DateTime) -> Leased {
+        Leased {
+            id: Bson::Int32(n),
+            raw: doc! {},
+            record: TimeoutRecord {
+                id: crate::host::uuid(),
+                destination: "timeoutd-test-settle-unit".into(),
+                process_manager_id: crate::host::uuid(),
+                due: now,
+                headers: doc! {},
+            },
+            lease: Lease::new(now, Duration::from_secs(1)),
+        }
+    }
+
+    /// Counters recorded on this thread while it is installed (a current-thread runtime runs
+    /// every task of the test on it).
+    #[derive(Default)]
+    struct Counts(Mutex<BTreeMap<String, Arc<AtomicU64>>>);
+
+    impl Counts {
+        /// The records counted as possible duplicates, whatever the series is named.
+        fn possible_duplicates(&self) -> u64 {
+            let counters = self.0.lock().expect("counts");
+            counters
+                .iter()
+                .filter(|(name, _)| name.contains("duplicate") || name.contains("lease_lost"))
+                .map(|(_, c)| c.load(Ordering::Relaxed))
+                .sum()
+        }
+    }
+
+    impl metrics::Recorder for Counts {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            key: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            let mut counters = self.0.lock().expect("counts");
+            metrics::Counter::from_arc(counters.entry(name).or_default().clone())
+        }
+        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            metrics::Gauge::noop()
+        }
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::noop()
+        }
+    }
+
+    /// Issue 25, 8.6: after SIGTERM, a removal still waiting for MongoDB when the daemon's
+    /// drain deadline aborted the loop left its confirmed records leased, to be sent again
+    /// after the lease, and counted nothing. An abandoned removal counts its records as
+    /// possible duplicates.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_aborted_unfinished_counts_its_records_as_possible_duplicates() {
+        let counts = Counts::default();
+        let _recorder = metrics::set_default_local_recorder(&counts);
+        let (_server, port) = silent_server();
+        let store = silent_store(port, Duration::from_secs(60)).await;
+        let health = Health::new(Duration::from_secs(1));
+        let now = store.clock().now();
+        let confirmed: Vec<Leased> = (0..3).map(|n| sent(n, now)).collect();
+        let lease = Lease::new(now, Duration::from_secs(300));
+        let (shutdown, drain_over) = (CancellationToken::new(), CancellationToken::new());
+        shutdown.cancel();
+        let removal = crate::host::spawn(async move {
+            remove(&store, &health, &confirmed, &lease, &shutdown, &drain_over).await;
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!removal.is_finished(), "the delete waits for the server");
+        // As the supervisor does at the drain deadline.
+        removal.abort();
+        assert!(removal.await.is_err_and(|e| e.is_cancelled()));
+        assert_eq!(counts.possible_duplicates(), 3);
+    }
+
+    /// Issue 25, 8.6: removals give up when the shutdown's drain ends (before the daemon
+    /// aborts the loop), counting what they could not remove as possible duplicates. When
+    /// the drain ends is the machine's rule (`the_drain_ends_...` in `machine.rs`).
+    #[tokio::test(start_paused = true)]
+    async fn removals_give_up_when_the_drain_ends_and_count_their_records() {
+        let counts = Counts::default();
+        let _recorder = metrics::set_default_local_recorder(&counts);
+        // A removal whose delete would wait its whole operation_timeout.
+        let (_server, port) = silent_server();
+        let store = silent_store(port, Duration::from_secs(600)).await;
+        let health = Health::new(Duration::from_secs(1));
+        let now = store.clock().now();
+        let confirmed: Vec<Leased> = (0..2).map(|n| sent(n, now)).collect();
+        let lease = Lease::new(now, Duration::from_secs(3600));
+        let (shutdown, drain_over) = (CancellationToken::new(), CancellationToken::new());
+        shutdown.cancel();
+        let over = Instant::now() + Duration::from_secs(25);
+        let ending = drain_over.clone();
+        crate::host::spawn(async move {
+            tokio::time::sleep_until(over).await;
+            ending.cancel();
+        });
+        remove(&store, &health, &confirmed, &lease, &shutdown, &drain_over).await;
+        let now = Instant::now();
+        assert!(
+            now >= over && now < over + Duration::from_secs(1),
+            "it gave up when the drain ended, not at its operation_timeout"
+        );
+        assert_eq!(counts.possible_duplicates(), 2);
+    }
+}
