@@ -11,10 +11,13 @@
 //! - [`config`], the TOML file, environment overrides and validation;
 //! - [`service`], the process shell: health, supervision, HTTP, systemd, signals;
 //! - [`record`], the ServiceConnect document, GUIDs, the `Time` shapes, the wire message;
-//! - [`store`], the MongoDB collections: the lease rules, the claim, parking;
-//! - [`operator`], `list`, `cancel`, `reschedule`, pauses and ramps;
+//! - [`store`], the MongoDB collections: the lease rules, the claim, parking, and every
+//!   query behind the operator commands;
+//! - [`rabbit`], the RabbitMQ publisher and the link seam under it;
+//! - [`operator`], the pauses and ramps in force;
 //! - [`maintenance`], the reaper, the census and the control watcher;
-//! - [`dispatch`], the dispatch loop, the publisher, rate limits and wake-ups;
+//! - [`dispatch`], the dispatch core (a machine that does no I/O) and its driver, settling,
+//!   rate limits and wake-ups;
 //! - [`cli`], the command line and `timeoutd run`.
 
 pub mod cli;
@@ -25,6 +28,7 @@ pub mod host;
 pub mod maintenance;
 pub mod metrics;
 pub mod operator;
+pub mod rabbit;
 pub mod record;
 pub mod redact;
 pub mod service;

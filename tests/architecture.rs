@@ -212,3 +212,152 @@ fn only_the_store_extends_store() {
         "`impl Store` outside src/store/ (only store/ names a collection or builds a query): {outside:?}"
     );
 }
+
+/// The code of a file without comments and without its `#[cfg(test)]` module (the file's
+/// tail from that attribute on, as every file here places its tests last).
+fn code_outside_tests(text: &str) -> String {
+    let body = text.split("#[cfg(test)]\nmod tests").next().unwrap_or(text);
+    let body = body
+        .split("#[cfg(test)]\npub(crate) mod tests")
+        .next()
+        .unwrap_or(body);
+    body.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Whether `code` has `token` where no identifier character continues it on either side
+/// (`Store` is not `StoreError`, `.await` is not `.awaits_answer`).
+fn has_token(code: &str, token: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    code.match_indices(token).any(|(i, _)| {
+        let before = code[..i].chars().next_back();
+        let after = code[i + token.len()..].chars().next();
+        let starts = !token.starts_with(ident) || !before.is_some_and(ident);
+        let ends = !token.ends_with(ident) || !after.is_some_and(ident);
+        starts && ends
+    })
+}
+
+/// The dispatch core does no I/O: `dispatch/machine.rs` reads no clock, awaits nothing,
+/// spawns nothing and holds no handle on MongoDB or RabbitMQ. The driver does all of that.
+#[test]
+fn the_dispatch_machine_does_no_io() {
+    let text = std::fs::read_to_string(repo("src/dispatch/machine.rs")).expect("machine.rs");
+    let code = code_outside_tests(&text);
+    assert!(code.contains("pub fn handle") && code.contains("pub fn poll_command"));
+    let forbidden = [
+        ".await",
+        "async ",
+        "spawn",
+        "::now(",
+        "clock()",
+        "Store",
+        "Publisher",
+        "Notify",
+        "CancellationToken",
+        "tokio::sync",
+        "tokio::task",
+        "std::fs",
+        "std::net",
+    ];
+    let found: Vec<&str> = forbidden
+        .into_iter()
+        .filter(|f| has_token(&code, f))
+        .collect();
+    assert!(found.is_empty(), "dispatch/machine.rs does I/O: {found:?}");
+    // The check itself: the driver does every one of the main ones.
+    let driver = std::fs::read_to_string(repo("src/dispatch/driver.rs")).expect("driver.rs");
+    for f in [".await", "spawn", "::now(", "Store", "Publisher"] {
+        assert!(
+            has_token(&driver, f),
+            "the check looks for {f}, which the driver has not"
+        );
+    }
+}
+
+/// The sibling modules a file names, as `super::x` or `crate::<folder path>::x` (one
+/// name or a `{..}` group).
+fn siblings_used(code: &str, folder: &str, siblings: &[String]) -> Vec<String> {
+    let mut used = Vec::new();
+    for prefix in ["super::".to_string(), format!("crate::{folder}::")] {
+        for (i, _) in code.match_indices(&prefix) {
+            let rest = &code[i + prefix.len()..];
+            let names: Vec<String> = match rest.strip_prefix('{') {
+                Some(group) => group
+                    .split('}')
+                    .next()
+                    .unwrap_or("")
+                    .split(',')
+                    .map(|n| n.trim().split("::").next().unwrap_or("").to_string())
+                    .collect(),
+                None => vec![
+                    rest.chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect(),
+                ],
+            };
+            used.extend(names.into_iter().filter(|n| siblings.contains(n)));
+        }
+    }
+    used.sort();
+    used.dedup();
+    used
+}
+
+/// No two files of one folder use each other (a folder's `mod.rs`, its index, aside): a
+/// reader can read a folder's files in an order where each needs only those before it.
+#[test]
+fn no_two_files_of_one_folder_use_each_other() {
+    let mut circles = Vec::new();
+    let mut folders = 0;
+    let mut dirs = vec![repo("src")];
+    while let Some(dir) = dirs.pop() {
+        let mut files = BTreeMap::new();
+        let mut siblings = Vec::new();
+        for entry in std::fs::read_dir(&dir).expect("dir") {
+            let path = entry.expect("entry").path();
+            let stem = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("")
+                .to_string();
+            if path.is_dir() {
+                dirs.push(path);
+                siblings.push(stem);
+            } else if path.extension().is_some_and(|e| e == "rs") && stem != "mod" {
+                let text = std::fs::read_to_string(&path).expect("read");
+                siblings.push(stem.clone());
+                files.insert(stem, text);
+            }
+        }
+        if dir == repo("src") {
+            continue;
+        }
+        folders += 1;
+        let rel = dir.strip_prefix(repo("src")).expect("under src");
+        let folder = rel.to_string_lossy().replace('/', "::");
+        let uses: BTreeMap<&String, Vec<String>> = files
+            .iter()
+            .map(|(stem, text)| {
+                let code = code_outside_tests(text);
+                let mut used = siblings_used(&code, &folder, &siblings);
+                used.retain(|u| u != stem);
+                (stem, used)
+            })
+            .collect();
+        for (a, used) in &uses {
+            for b in used {
+                if a.as_str() < b.as_str() && uses.get(b).is_some_and(|u| u.contains(a)) {
+                    circles.push(format!("src/{}: {a} <-> {b}", rel.display()));
+                }
+            }
+        }
+    }
+    assert!(folders >= 8, "only {folders} folders");
+    assert!(
+        circles.is_empty(),
+        "files of one folder that use each other: {circles:?}"
+    );
+}

@@ -25,8 +25,8 @@ use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use timeoutd::config::RabbitConfig;
-use timeoutd::dispatch::lapinlink::LapinBroker;
-use timeoutd::dispatch::link::{Answer, Broker, Confirm, Link, LinkError, Returned};
+use timeoutd::rabbit::lapinlink::LapinBroker;
+use timeoutd::rabbit::link::{Answer, Broker, Confirm, Link, LinkError, Returned};
 use uuid::Uuid;
 
 use rabbit::{Behaviour, DownMode, RabbitModel};

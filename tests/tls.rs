@@ -16,7 +16,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{Connection, ConnectionProperties};
 use timeoutd::config::RabbitConfig;
-use timeoutd::dispatch::publisher::Publisher;
+use timeoutd::rabbit::publisher::Publisher;
 use uuid::Uuid;
 
 /// Starts the TLS node once per test binary.

@@ -12,8 +12,8 @@ use tokio::time::Instant;
 use serde::Serialize;
 
 use crate::config::{Config, ENV_PREFIX, resolve_path};
-use crate::dispatch::lapinlink::LapinBroker;
-use crate::dispatch::publisher::Publisher;
+use crate::rabbit::lapinlink::LapinBroker;
+use crate::rabbit::publisher::Publisher;
 use crate::redact::redact_text;
 use crate::store::Store;
 use crate::store::clock::ServerClock;

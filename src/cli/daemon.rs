@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::dispatch::publisher::Publisher;
 use crate::dispatch::{Dispatcher, Signals};
 use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::operator::control::ControlState;
+use crate::rabbit::publisher::Publisher;
 use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
 use crate::store::clock::ServerClock;
@@ -41,7 +41,7 @@ pub enum DaemonError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
-    Publish(#[from] crate::dispatch::publisher::PublishError),
+    Publish(#[from] crate::rabbit::publisher::PublishError),
     #[error("cannot listen on http.listen {addr}: {source}")]
     Listen {
         addr: SocketAddr,

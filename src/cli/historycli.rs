@@ -1,5 +1,5 @@
 //! `timeoutd history`: what fired (and what was parked or cancelled), newest first, read from
-//! `<collection>_history` ([`crate::store::history::read`]); and the rows `cancel` adds there.
+//! `<collection>_history` ([`crate::store::history::read`]).
 //!
 //! Exit codes as every command: 0 done (no rows included), 1 a runtime failure, 2 bad input.
 
@@ -11,10 +11,7 @@ use uuid::Uuid;
 
 use crate::cli::opscli::{dash, parse_destination, parse_instant};
 use crate::store::Store;
-use crate::store::control::Actor;
-use crate::store::edit::Outcome;
 use crate::store::history::read::{Entry, Filter};
-use crate::store::history::{Ended, event};
 
 /// `--since`: an instant, or how far back from now.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -130,45 +127,4 @@ pub async fn history(store: &Store, a: HistoryArgs) -> anyhow::Result<()> {
         println!("{} shown{more}", rows.len());
     }
     Ok(())
-}
-
-/// With history on, records the records `cancel` deleted, with the operator's reason and who
-/// ran it. A failed write is reported, and the cancel stands.
-pub async fn record_cancelled(store: &Store, outcomes: &[Outcome], reason: Option<&str>) {
-    if !store.history_on() {
-        return;
-    }
-    let by = Actor::current().label();
-    let at = store.clock().now();
-    let rows: Vec<_> = outcomes
-        .iter()
-        .filter(|o| o.outcome == "cancelled")
-        .map(|o| {
-            Ended {
-                event: event::CANCELLED,
-                timeout_id: o.record.id.clone(),
-                correlation_id: o.record.correlation_id.clone(),
-                destination: o.record.destination.clone(),
-                due: o
-                    .record
-                    .due
-                    .as_deref()
-                    .and_then(|d| DateTime::parse_rfc3339_str(d).ok()),
-                attempts: None,
-                reason,
-                detail: Some(&by),
-            }
-            .row(at)
-        })
-        .collect();
-    if rows.is_empty() {
-        return;
-    }
-    let n = rows.len();
-    if let Err(e) = store
-        .bounded("write history", store.write_history(rows))
-        .await
-    {
-        tracing::warn!(rows = n, error = %e, "the records were cancelled, but the history rows saying so could not be written");
-    }
 }

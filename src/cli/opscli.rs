@@ -261,7 +261,9 @@ fn selection_details(which: &Which) -> bson::Document {
 pub async fn cancel(store: &Store, which: Which) -> anyhow::Result<()> {
     let outcomes = store.cancel(&which.selector(), which.dry_run).await?;
     if !which.dry_run {
-        crate::cli::historycli::record_cancelled(store, &outcomes, which.reason.as_deref()).await;
+        store
+            .record_cancelled(&outcomes, which.reason.as_deref())
+            .await;
     }
     report(store, "cancel", &which, outcomes, selection_details(&which)).await
 }

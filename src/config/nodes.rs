@@ -1,7 +1,7 @@
 //! The RabbitMQ nodes of `[rabbitmq] uri`: one URI or a list of them (a TOML array, or
 //! comma-separated in `TIMEOUTD_RABBITMQ__URI` and in `uri_file`), each a full `amqp://` or
 //! `amqps://` URI with its own credentials and TLS; their validation; and the order in which
-//! [`crate::dispatch::publisher::Publisher`] tries them.
+//! [`crate::rabbit::publisher::Publisher`] tries them.
 //!
 //! The order: an instance starts at a random node (so that a fleet spreads over the cluster)
 //! and stays on the node that answers until its link fails (is lost, cut, or withholds

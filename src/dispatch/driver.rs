@@ -21,9 +21,9 @@ use super::machine::{Command, Input, Link, Machine, Now};
 use super::settle::{Settle, Settler};
 use super::{DispatchError, Signals};
 use crate::config::Config;
-use crate::dispatch::publisher::{LinkWatch, PublishError, Publisher, SendOutcome};
 use crate::metrics as m;
 use crate::operator::control::ControlState;
+use crate::rabbit::publisher::{LinkWatch, PublishError, Publisher, SendOutcome};
 use crate::record::message::OutgoingMessage;
 use crate::service::health::Health;
 use crate::service::supervisor::panic_message;
@@ -431,8 +431,8 @@ mod tests {
     //! never contacted.
 
     use super::*;
-    use crate::dispatch::publisher::tests::fake::FakeBroker;
     use crate::dispatch::settle::tests::silent_server;
+    use crate::rabbit::publisher::tests::fake::FakeBroker;
     use crate::record::TimeoutRecord;
     use crate::store::clock::ServerClock;
 

@@ -7,21 +7,16 @@
 //! - [`leased`]: the one type of a claimed record ([`leased::Leased`]) and the records waiting
 //!   for their instant; `settle`: the work that removes, releases, retries or parks them, in
 //!   one bounded queue; `control`: pauses, ramps, rate limits and refusing destinations.
-//! - [`publisher`]: RabbitMQ with publisher confirms, `mandatory`, returns matched by
-//!   `MessageId`, failover and the suspect-link policy, over the [`link`] seam
-//!   ([`lapinlink`] in the daemon); [`ratelimit`]: send-rate limits; [`wakeup`]: wakes the
-//!   loop for a record inserted due soon; `summary`: each wave's info log line.
+//! - [`ratelimit`]: send-rate limits; [`wakeup`]: wakes the loop for a record inserted due
+//!   soon; `summary`: each wave's info log line. RabbitMQ itself is [`crate::rabbit`].
 //!
 //! Nothing is deleted unless its publish was confirmed and its claim's lease still held; when
 //! in doubt a record is left for a later poll.
 
 mod control;
 mod driver;
-pub mod lapinlink;
 pub mod leased;
-pub mod link;
 pub mod machine;
-pub mod publisher;
 pub mod ratelimit;
 mod settle;
 mod summary;

@@ -13,8 +13,8 @@ use uuid::Uuid;
 
 use super::leased::Leased;
 use crate::config::RetryConfig;
-use crate::dispatch::publisher::SendOutcome;
 use crate::metrics as m;
+use crate::rabbit::publisher::SendOutcome;
 use crate::record::field;
 use crate::record::{TimeoutRecord, display_id};
 use crate::service::health::Health;

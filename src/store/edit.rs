@@ -17,6 +17,8 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::record::field;
+use crate::store::control::Actor;
+use crate::store::history::{Ended, event};
 use crate::store::listing::{Listed, describe, field_clauses, is_free, show_instant};
 use crate::store::{Store, StoreError};
 use crate::{record::due, store::lease};
@@ -94,6 +96,47 @@ pub enum Move {
 }
 
 impl Store {
+    /// With history on, records the records `cancel` deleted, with the operator's reason and who
+    /// ran it. A failed write is reported, and the cancel stands.
+    pub async fn record_cancelled(&self, outcomes: &[Outcome], reason: Option<&str>) {
+        if !self.history_on() {
+            return;
+        }
+        let by = Actor::current().label();
+        let at = self.clock().now();
+        let rows: Vec<_> = outcomes
+            .iter()
+            .filter(|o| o.outcome == "cancelled")
+            .map(|o| {
+                Ended {
+                    event: event::CANCELLED,
+                    timeout_id: o.record.id.clone(),
+                    correlation_id: o.record.correlation_id.clone(),
+                    destination: o.record.destination.clone(),
+                    due: o
+                        .record
+                        .due
+                        .as_deref()
+                        .and_then(|d| DateTime::parse_rfc3339_str(d).ok()),
+                    attempts: None,
+                    reason,
+                    detail: Some(&by),
+                }
+                .row(at)
+            })
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        let n = rows.len();
+        if let Err(e) = self
+            .bounded("write history", self.write_history(rows))
+            .await
+        {
+            tracing::warn!(rows = n, error = %e, "the records were cancelled, but the history rows saying so could not be written");
+        }
+    }
+
     /// The records `selector` names, as stored. Unknown ids are bad input.
     async fn select(&self, selector: &Selector) -> Result<Vec<Document>, OpsError> {
         let docs: Vec<Document> = self

@@ -13,7 +13,7 @@ use bson::{Bson, Document, doc};
 use futures::future::BoxFuture;
 use lapin::BasicProperties;
 use timeoutd::config::{Config, MessageIdMode, TimeEncoding};
-use timeoutd::dispatch::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus};
+use timeoutd::rabbit::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus};
 use timeoutd::service::health::Health;
 use timeoutd::store::backend::{Backend, ChangeStream, MongoError, Op, Reply};
 use tokio::time::Instant;

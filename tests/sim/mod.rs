@@ -20,8 +20,8 @@ pub mod models {
 
     use bson::Document;
     use timeoutd::config::Config;
-    use timeoutd::dispatch::link::Broker;
-    use timeoutd::dispatch::publisher::Publisher;
+    use timeoutd::rabbit::link::Broker;
+    use timeoutd::rabbit::publisher::Publisher;
     use timeoutd::store::Store;
     use timeoutd::store::backend::Backend;
     use timeoutd::store::clock::ServerClock;
@@ -233,7 +233,7 @@ pub mod models {
     pub fn publisher(
         config: &Config,
         broker: Arc<dyn Broker>,
-    ) -> Result<Publisher, timeoutd::dispatch::publisher::PublishError> {
+    ) -> Result<Publisher, timeoutd::rabbit::publisher::PublishError> {
         Ok(Publisher::with_broker(&config.rabbitmq, broker))
     }
 }

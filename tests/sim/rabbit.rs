@@ -45,7 +45,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
-use timeoutd::dispatch::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus, Returned};
+use timeoutd::rabbit::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus, Returned};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 

@@ -15,31 +15,14 @@ use std::time::Duration;
 
 use crate::config::RabbitConfig;
 use crate::config::nodes::Nodes;
-use crate::dispatch::lapinlink::LapinBroker;
-use crate::dispatch::link::{Answer, Broker, Confirm, Link, LinkError};
 use crate::metrics as m;
+use crate::rabbit::lapinlink::LapinBroker;
+use crate::rabbit::link::{Answer, Broker, Confirm, Link};
 use tokio_util::sync::CancellationToken;
 
 use crate::record::message::OutgoingMessage;
 
-/// What can go wrong connecting to RabbitMQ.
-#[derive(Debug, thiserror::Error)]
-pub enum PublishError {
-    #[error("RabbitMQ: {0}")]
-    Link(#[from] LinkError),
-    #[error("RabbitMQ: {0}")]
-    Deadline(#[from] crate::deadline::Elapsed),
-    /// Shutdown began before the connect finished: whether the broker answers is not known.
-    #[error("shutdown began before the connection to RabbitMQ was open")]
-    Stopped,
-    #[error("no RabbitMQ node answered ({nodes}); the last said: {last}")]
-    NoNode { nodes: String, last: String },
-    #[error("cannot read TLS file {path}: {source}")]
-    TlsFile {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
-}
+pub use super::PublishError;
 
 /// The fate of one published message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -517,7 +500,7 @@ impl Publisher {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::dispatch::link::{Answer, Returned};
+    use crate::rabbit::link::{Answer, Returned};
     use lapin::BasicProperties;
 
     /// A fake [`Broker`] and [`Link`] for unit tests: each publish is answered by the next
@@ -532,7 +515,7 @@ pub(crate) mod tests {
         use lapin::BasicProperties;
         use tokio_util::sync::CancellationToken;
 
-        use crate::dispatch::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus};
+        use crate::rabbit::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus};
 
         /// The status of one fake link, which the test changes (`connection.blocked`).
         #[derive(Debug, Clone)]

@@ -14,9 +14,9 @@ use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::PublishError;
 use crate::config::RabbitConfig;
-use crate::dispatch::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus, Returned};
-use crate::dispatch::publisher::PublishError;
+use crate::rabbit::link::{Answer, Broker, Confirm, Link, LinkError, LinkStatus, Returned};
 use crate::redact::redact_text;
 
 /// The most a broker's Connection.Start frame may hold here (RabbitMQ's is about 500 bytes).

@@ -1,4 +1,4 @@
-//! The seam under [`crate::dispatch::publisher::Publisher`]: RabbitMQ at the level of the AMQP
+//! The seam under [`crate::rabbit::publisher::Publisher`]: RabbitMQ at the level of the AMQP
 //! link.
 //!
 //! A [`Broker`] opens a [`Link`] to one node: a connection with one confirm-mode channel.
