@@ -478,7 +478,7 @@ mod tests {
             id: crate::host::uuid(),
             destination: "q".into(),
             process_manager_id: crate::host::uuid(),
-            due: bson::DateTime::now(),
+            due: crate::host::wall_date(),
             headers: bson::doc! {},
         };
         let frame_max = crate::record::message::DEFAULT_FRAME_MAX;
