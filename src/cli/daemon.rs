@@ -12,7 +12,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::dispatch::{Dispatcher, Signals};
-use crate::host::backoff::Backoff;
 use crate::metrics as m;
 use crate::operator::control::ControlState;
 use crate::rabbit::publisher::Publisher;
@@ -361,7 +360,7 @@ async fn read_server_clock(store: &Store, health: &Health) -> Result<i64, StoreE
 
 /// Retries the first round trip to MongoDB with back-off. `false` if shutdown came first.
 async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &CancellationToken) -> bool {
-    let mut backoff = Backoff::reconnect();
+    let mut pacing = Pacing::new(store.operation_timeout());
     loop {
         // Liveness is about the process, not about MongoDB (readiness reports that): the
         // attempt below is bounded by operation_timeout, so while it runs the process does
@@ -377,7 +376,7 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
                 return true;
             }
             Err(e) => {
-                let wait = backoff.next_delay();
+                let wait = pacing.failed(&e);
                 tracing::warn!(error = %e, retry_in = ?wait, "MongoDB unreachable");
                 health.waiting(wait);
                 tokio::select! {

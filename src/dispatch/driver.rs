@@ -140,7 +140,17 @@ impl Dispatcher {
             let now = match turn {
                 Ok(now) => now,
                 Err(panic) if self.contain(panic.as_ref()) => break,
-                Err(_) => self.now(),
+                // Failed: it stops at once, releasing what it holds.
+                Err(_) => {
+                    let stop = AssertUnwindSafe(|| self.step(Some(Input::Shutdown)));
+                    match std::panic::catch_unwind(stop) {
+                        Ok(now) => now,
+                        Err(panic) => {
+                            self.contain(panic.as_ref());
+                            break;
+                        }
+                    }
+                }
             };
             if self.machine.is_done() {
                 break;
@@ -176,14 +186,19 @@ impl Dispatcher {
         }
     }
 
-    /// One turn: hands the machine `input` and what the driver sees of the link, then runs
-    /// every command it gives. Never awaits.
+    /// One turn of the loop.
     fn turn(&mut self, input: Option<Input>) -> Now {
         // Tests only: a handler that panics (supervision tests).
         #[cfg(feature = "failpoints")]
         if input.is_some() && fail::eval("dispatch-handler-panic", |_| ()).is_some() {
             panic!("failpoint dispatch-handler-panic");
         }
+        self.step(input)
+    }
+
+    /// Hands the machine `input` and what the driver sees of the link, then runs every
+    /// command it gives. Never awaits.
+    fn step(&mut self, input: Option<Input>) -> Now {
         let now = self.now();
         if let Some(input) = input {
             self.machine.handle(input, &now);
@@ -227,7 +242,10 @@ impl Dispatcher {
 
     /// Waits for the next input. The only await of the loop.
     async fn next_input(&mut self, now: &Now) -> Input {
-        let stopping = self.shutdown.is_cancelled();
+        // The machine's own word, not the token's: a shutdown that came during a turn is
+        // still handed to it (the token's guard left it unheard, and a connect that stopped
+        // for shutdown was retried at once, for ever: simulation seed 1451).
+        let stopping = self.machine.is_stopping();
         let tick = self
             .machine
             .poll_timeout(now)
@@ -243,7 +261,9 @@ impl Dispatcher {
                 None => std::future::pending().await,
             }
         };
+        // Shutdown first; the timer last (every turn acts on whatever time has passed).
         tokio::select! {
+            biased;
             _ = self.shutdown.cancelled(), if !stopping => Input::Shutdown,
             Some(done) = self.tasks.join_next_with_id() => self.finished(done),
             _ = self.signals.inserted.notified(), if !stopping => Input::Inserted,
@@ -502,6 +522,19 @@ mod tests {
             "{outcomes:?}"
         );
         assert_eq!(open, None);
+    }
+
+    /// Simulation seed 1451: SIGTERM came while the loop was in a turn; the wait for the
+    /// next input guarded its shutdown branch by the token, already cancelled, so the machine
+    /// never heard of it, and a connect that stopped for shutdown was retried at once, for
+    /// ever (virtual time stood still). The machine hears of a shutdown however it came.
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_that_came_during_a_turn_reaches_the_machine() {
+        let mut d = dispatcher(Config::default(), None).await;
+        d.shutdown.cancel();
+        let now = d.now();
+        let input = d.next_input(&now).await;
+        assert!(matches!(input, Input::Shutdown), "{input:?}");
     }
 
     fn the_link_task_panics() -> Done {

@@ -43,7 +43,7 @@ use crate::store::control::Snapshot;
 use crate::store::history::{self, Row};
 use crate::store::lease::{Lease, PrePublish};
 use crate::store::parking::ParkReason;
-use crate::store::serverload::{RETRY_CAP, timed_out};
+use crate::store::serverload::Pacing;
 
 /// Most settling tasks at once.
 pub const MAX_SETTLING: usize = 8;
@@ -206,7 +206,7 @@ struct Claims {
     not_before: Instant,
     /// Spaces claims after failures (and after a timed-out one, not before its abandoned run
     /// ended on the server: `[mongodb] operation_timeout` more).
-    failures: Backoff,
+    failures: Pacing,
     /// Spaces claims after waves whose publishes went unconfirmed; reset only by a wave the
     /// broker confirmed. Not the reconnect back-off: the link that withholds confirms
     /// reconnects fine, and the hold-off must grow all the same (issue 25, 8.5).
@@ -283,7 +283,7 @@ impl Machine {
                 next_at: at,
                 woken: false,
                 not_before: at,
-                failures: Backoff::new(Duration::from_millis(100), RETRY_CAP),
+                failures: Pacing::new(config.mongodb.operation_timeout),
                 unconfirmed: Backoff::reconnect(),
             },
             control: Control::new(config.clone()),
@@ -304,6 +304,11 @@ impl Machine {
 
     pub fn link(&self) -> &Link {
         &self.link
+    }
+
+    /// Whether it was told of shutdown.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.is_some()
     }
 
     pub fn is_blocked(&self) -> bool {
@@ -677,11 +682,7 @@ impl Machine {
 
     fn claim_failed(&mut self, e: StoreError, now: &Now) {
         self.health.set_up(m::MONGODB, false);
-        let mut wait = self.claims.failures.next_delay();
-        if timed_out(&e) {
-            // Not before the abandoned run ended on the server.
-            wait += self.config.mongodb.operation_timeout;
-        }
+        let wait = self.claims.failures.delay_after(&e);
         tracing::warn!(error = %e, retry_in = ?wait, "claim failed");
         self.claims.failed(wait, now.at);
     }
@@ -963,6 +964,7 @@ mod tests {
     use super::*;
     use crate::record::TimeoutRecord;
     use crate::store::claim::ClaimedRow;
+    use crate::store::serverload::RETRY_CAP;
 
     /// A machine and the instant it is told.
     struct Rig {

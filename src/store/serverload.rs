@@ -93,25 +93,25 @@ impl Pacing {
     /// A run failed: the wait before the next one (and the call is not [`Pacing::ready`]
     /// until it has passed).
     pub fn failed(&mut self, e: &StoreError) -> Duration {
-        let mut wait = self.backoff.next_delay();
-        if timed_out(e) {
-            wait += self.server_limit;
-        }
+        let wait = self.delay_after(e);
         self.not_before = Some(Instant::now() + wait);
         wait
     }
 
-    /// Runs `call` if it may start now (else `None`), and records its outcome.
-    pub async fn run<T>(
-        &mut self,
-        call: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Option<Result<T, StoreError>> {
-        if !self.ready() {
-            return None;
+    /// The wait after the failure `e`, for a caller that keeps its own schedule (the
+    /// dispatch machine, which reads no clock): the next back-off, and after a timeout one
+    /// more `operation_timeout`.
+    pub fn delay_after(&mut self, e: &StoreError) -> Duration {
+        let wait = self.backoff.next_delay();
+        match timed_out(e) {
+            true => wait + self.server_limit,
+            false => wait,
         }
-        let result = call.await;
-        self.record(&result);
-        Some(result)
+    }
+
+    /// A run succeeded: the next failure waits the shortest back-off again.
+    pub fn reset(&mut self) {
+        self.record(&Ok::<(), StoreError>(()));
     }
 }
 
