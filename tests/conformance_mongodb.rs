@@ -148,7 +148,7 @@ impl Sides {
 }
 
 /// An error as the store's classifier sees it: the kind, the code, and whether
-/// `serverload::timed_out` calls it a timeout.
+/// `pacing::timed_out` calls it a timeout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Class {
     kind: &'static str,
@@ -172,7 +172,7 @@ fn classify(e: &MongoError) -> Class {
     Class {
         kind,
         codes,
-        timed_out: timeoutd::store::serverload::timed_out(&timeoutd::store::StoreError::Mongo(
+        timed_out: timeoutd::store::pacing::timed_out(&timeoutd::store::StoreError::Mongo(
             e.clone(),
         )),
     }

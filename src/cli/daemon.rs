@@ -18,7 +18,7 @@ use crate::rabbit::publisher::Publisher;
 use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
 use crate::store::clock::ServerClock;
-use crate::store::serverload::Pacing;
+use crate::store::pacing::Pacing;
 use crate::store::shapes::ShapeCache;
 use crate::store::{Store, StoreError};
 use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};

@@ -42,8 +42,8 @@ use crate::store::claim::{Candidates, Claim};
 use crate::store::control::Snapshot;
 use crate::store::history::{self, Row};
 use crate::store::lease::{Lease, PrePublish};
+use crate::store::pacing::Pacing;
 use crate::store::parking::ParkReason;
-use crate::store::serverload::Pacing;
 
 /// Most settling tasks at once.
 pub const MAX_SETTLING: usize = 8;
@@ -964,7 +964,7 @@ mod tests {
     use super::*;
     use crate::record::TimeoutRecord;
     use crate::store::claim::ClaimedRow;
-    use crate::store::serverload::RETRY_CAP;
+    use crate::store::pacing::RETRY_CAP;
 
     /// A machine and the instant it is told.
     struct Rig {

@@ -21,8 +21,8 @@ use crate::service::health::Health;
 use crate::store::Store;
 use crate::store::history::{self, Ended, HistorySink};
 use crate::store::lease::Lease;
+use crate::store::pacing::Pacing;
 use crate::store::parking::{ParkReason, Parked};
-use crate::store::serverload::Pacing;
 
 /// Why a record is being parked, and after how many failed sends.
 #[derive(Debug, Clone)]

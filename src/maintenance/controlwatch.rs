@@ -14,7 +14,7 @@ use crate::operator::control::ControlState;
 use crate::store::Store;
 use crate::store::StoreError;
 use crate::store::follow::{Followed, follow};
-use crate::store::serverload::Pacing;
+use crate::store::pacing::Pacing;
 
 const CONTROL: Followed = Followed {
     open: "watch the control collection",
@@ -44,7 +44,7 @@ pub async fn watch(
         &shutdown,
     );
     let reader = async {
-        // After a failed read, the next waits out its back-off ([`crate::store::serverload`]).
+        // After a failed read, the next waits out its back-off ([`crate::store::pacing`]).
         let mut reading = Pacing::new(store.operation_timeout());
         loop {
             if reading.ready() {

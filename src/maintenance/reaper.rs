@@ -18,14 +18,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics as m;
 use crate::store::census::CensusState;
-use crate::store::serverload::Pacing;
+use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 
 /// How often stuck locks are looked for and the census gauges refreshed.
 pub const CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Runs until `shutdown` is cancelled. Each of its three calls is paced
-/// ([`crate::store::serverload::Pacing`]): after a failure a tick is skipped until its back-off has
+/// ([`crate::store::pacing::Pacing`]): after a failure a tick is skipped until its back-off has
 /// passed, and after a timeout until the abandoned run has ended on the server.
 pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) {
     let mut reap = tokio::time::interval(interval);

@@ -9,7 +9,7 @@ use bson::{Bson, DateTime, Document};
 
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
 use crate::store::lease::{self, Lease};
-use crate::store::window;
+use crate::store::read_window;
 use crate::store::{Store, StoreError};
 
 /// One record of a claim: its raw `_id` (what every guarded write matches) and the decoded
@@ -160,7 +160,7 @@ impl Store {
     ///
     /// Alone, an instance takes the oldest due records. After a claim that lost records to a
     /// racing instance it reads a random slice of the backlog instead, so that concurrent
-    /// claims mostly take different records ([`crate::store::window`]).
+    /// claims mostly take different records ([`crate::store::read_window`]).
     ///
     /// Leaves no destination out: pauses are the control's concern, and the dispatch loop,
     /// which obeys them, names what to leave out ([`Store::claim_except`]).
@@ -194,7 +194,7 @@ impl Store {
     ///
     /// Alone, an instance reads the oldest due records. After a claim that lost records to a
     /// racing instance it reads a random slice of the backlog instead, so that concurrent
-    /// claims mostly take different records ([`crate::store::window`]).
+    /// claims mostly take different records ([`crate::store::read_window`]).
     pub async fn candidates(
         &self,
         batch_size: u32,
@@ -204,11 +204,11 @@ impl Store {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
         // While a backlog drains, read only about one batch past the last one, or a random
-        // slice after meeting a racing instance (see `crate::store::window`).
-        let slice = crate::host::random_range(0..window::SLICES as u64) as i64;
+        // slice after meeting a racing instance (see `crate::store::read_window`).
+        let slice = crate::host::random_range(0..read_window::SLICES as u64) as i64;
         let range = self.window.range(lease::add(now, look_ahead), slice);
         // Past the due records of the destinations left out, when a read from the start
-        // found where the others begin (see `crate::store::head`).
+        // found where the others begin (see `crate::store::paused_head`).
         let from = match (range.from, self.head.start(excluded)) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),

@@ -15,7 +15,7 @@ use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
 use crate::store::backend::ChangeStream;
-use crate::store::serverload::Pacing;
+use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 
 /// How long to wait before opening a change stream again after it failed or ended.

@@ -21,7 +21,7 @@ use crate::record::due::Shape;
 use crate::record::field;
 use crate::store::backend::MongoError;
 use crate::store::coll::Coll;
-use crate::store::serverload::{Pacing, timed_out};
+use crate::store::pacing::{Pacing, timed_out};
 use crate::store::{Store, StoreError};
 
 /// Index names timeoutd creates. They never reuse ServiceConnect's names or key patterns.

@@ -101,7 +101,7 @@ pub fn due_after(t: DateTime, shapes: &[Shape]) -> Document {
 }
 
 /// Due by `horizon` (`now` plus the look-ahead), and no earlier than `from` when set (a
-/// slice of the due range, see [`crate::store::window`]), and claimable at `now`: what a claim
+/// slice of the due range, see [`crate::store::read_window`]), and claimable at `now`: what a claim
 /// takes. Records due after `now` are held under the lease and sent at their due instant.
 ///
 /// One query per shape serves best (each branch is one index range, oldest first); a list of

@@ -17,15 +17,15 @@ pub mod driver;
 pub mod durability;
 pub mod edit;
 pub mod follow;
-pub mod head;
 pub mod history;
 pub mod indexes;
 pub mod lease;
 pub mod listing;
+pub mod pacing;
 pub mod parking;
-pub mod serverload;
+pub mod paused_head;
+pub mod read_window;
 pub mod shapes;
-pub mod window;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -40,8 +40,8 @@ use crate::record::{Decoding, TimeoutRecord, field};
 use crate::store::backend::{Backend, ChangeStream};
 use crate::store::clock::ServerClock;
 use crate::store::coll::Coll;
+use crate::store::read_window::ReadWindow;
 use crate::store::shapes::ShapeCache;
-use crate::store::window::ReadWindow;
 
 pub use crate::store::claim::{Candidates, Claim, ClaimedRow};
 
@@ -86,8 +86,8 @@ pub struct Store {
     decoding: Decoding,
     clock: ServerClock,
     window: Arc<ReadWindow>,
-    /// Where claims start reading while destinations are left out ([`crate::store::head`]).
-    head: Arc<crate::store::head::PausedHead>,
+    /// Where claims start reading while destinations are left out ([`crate::store::paused_head`]).
+    head: Arc<crate::store::paused_head::PausedHead>,
     lock_lease: Duration,
     shapes: Arc<ShapeCache>,
     /// Deadline of every single call ([`Store::bounded`]).
@@ -215,7 +215,7 @@ impl Store {
     /// becomes a [`StoreError::Deadline`] naming the call, never a wait without end.
     /// Counted in `timeoutd_mongodb_calls_in_flight` until it returns, or, when dropped (its
     /// deadline, shutdown), until the server's `maxTimeMS` has ended it
-    /// ([`crate::store::serverload`]).
+    /// ([`crate::store::pacing`]).
     pub async fn bounded<T>(
         &self,
         what: &'static str,
