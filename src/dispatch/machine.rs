@@ -420,8 +420,14 @@ impl Machine {
                     self.end_gate(false, now.at);
                 }
             }
-            Input::Candidates(result) => self.on_candidates(result, now),
-            Input::Claimed(result) => self.on_claimed(result, now),
+            // A failed read or take, or a claim task that died, whichever step it was in.
+            Input::Candidates(Err(e)) | Input::Claimed(Err(e)) => {
+                if !matches!(self.claims.step, Step::Idle) {
+                    self.claim_failed(e, now);
+                }
+            }
+            Input::Candidates(Ok(candidates)) => self.on_candidates(candidates, now),
+            Input::Claimed(Ok(claim)) => self.on_claimed(claim, now),
             Input::Settled { refused } => {
                 self.settling = self.settling.saturating_sub(1);
                 self.control.leave_out(refused, now.at);
@@ -488,9 +494,10 @@ impl Machine {
             }
         }
         if self.can_claim() && self.claims.is_due(now.at) {
-            let gate = match self.awaits_answer() {
-                true => Gate::Waiting,
-                false => Gate::Open,
+            let gate = match &self.link {
+                Link::Publishing(w) if !w.answered && w.stopped => Gate::Shut,
+                Link::Publishing(w) if !w.answered => Gate::Waiting,
+                _ => Gate::Open,
             };
             self.claims.step = Step::Reading {
                 started: now.at,
@@ -601,17 +608,16 @@ impl Machine {
         };
     }
 
-    fn on_candidates(&mut self, result: Result<Candidates, StoreError>, now: &Now) {
+    fn on_candidates(&mut self, candidates: Candidates, now: &Now) {
         let Step::Reading { started, gate } = self.claims.step else {
             return;
         };
         let spent = now.at.saturating_duration_since(started);
-        match result {
-            Err(e) => self.claim_failed(e, now),
+        match candidates {
             // Nothing is taken during shutdown, after the wave it waited on ended unanswered,
             // or during the hold-off after unconfirmed publishes (the records they released
             // may be among the candidates).
-            Ok(candidates)
+            candidates
                 if self.stopping.is_some()
                     || gate == Gate::Shut
                     || now.at < self.claims.not_before =>
@@ -623,14 +629,14 @@ impl Machine {
             // A claim beside an unanswered wave takes its candidates only once the broker
             // answered that wave: the database is not idle while the broker works, and an
             // instance whose broker stalled hoards nothing.
-            Ok(candidates) if gate == Gate::Waiting && !candidates.is_empty() => {
+            candidates if gate == Gate::Waiting && !candidates.is_empty() => {
                 self.claims.step = Step::Gated {
                     started,
                     spent,
                     candidates,
                 };
             }
-            Ok(candidates) => self.take(started, spent, candidates, now.at),
+            candidates => self.take(started, spent, candidates, now.at),
         }
     }
 
@@ -687,7 +693,7 @@ impl Machine {
         self.claims.failed(wait, now.at);
     }
 
-    fn on_claimed(&mut self, result: Result<Claim, StoreError>, now: &Now) {
+    fn on_claimed(&mut self, claim: Claim, now: &Now) {
         let Step::Taking {
             started,
             spent,
@@ -695,10 +701,6 @@ impl Machine {
         } = self.claims.step
         else {
             return;
-        };
-        let claim = match result {
-            Ok(claim) => claim,
-            Err(e) => return self.claim_failed(e, now),
         };
         self.health.set_up(m::MONGODB, true);
         if claim.read > 0 {
@@ -1386,6 +1388,45 @@ mod tests {
         assert!(
             r.commands().iter().any(is_read),
             "claims again after the hold-off"
+        );
+    }
+
+    /// A claim task that dies (panics) while it reads is reported as a failed claim: the
+    /// claims go on after the back-off (a read that died left the claim stuck for good).
+    #[test]
+    fn a_claim_task_that_died_while_reading_does_not_stop_the_claims() {
+        let mut r = Rig::up(Config::default());
+        assert!(r.commands().iter().any(is_read));
+        let died = StoreError::Panicked("the claim task died".into());
+        r.handle(Input::Claimed(Err(died)));
+        r.advance(RETRY_CAP);
+        assert!(
+            r.commands().iter().any(is_read),
+            "no claim after the task died"
+        );
+    }
+
+    /// A claim that starts while a wave has given up on its confirms unanswered takes
+    /// nothing: the broker may have stalled.
+    #[test]
+    fn a_claim_beside_a_wave_given_up_unanswered_takes_nothing() {
+        let mut r = Rig::up(Config::default());
+        r.hold(1, Duration::from_secs(60));
+        r.publish();
+        r.advance(Duration::from_secs(3600));
+        assert!(
+            r.commands()
+                .iter()
+                .any(|c| matches!(c, Command::StopWaiting))
+        );
+        r.m.claims.step = Step::Idle;
+        r.m.claims.next_at = r.at;
+        assert!(r.commands().iter().any(is_read));
+        r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(2)]))));
+        assert!(
+            !r.commands()
+                .iter()
+                .any(|c| matches!(c, Command::Take { .. }))
         );
     }
 
