@@ -241,12 +241,13 @@ async fn v7_lease_indexes_serve_so_timeoutd_keeps_only_its_due_index() {
         doc! {},
     )])
     .await;
+    // A lease long enough for the claim's read-back (it reads what the lease still holds).
     let claim = store
-        .claim(10, std::time::Duration::from_millis(1))
+        .claim(10, std::time::Duration::from_millis(500))
         .await
         .unwrap();
     assert_eq!(claim.rows.len(), 1);
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
     assert_eq!(store.reap().await.unwrap(), 1, "the expired lease is freed");
     env.cleanup().await;
 }

@@ -5,7 +5,7 @@
 use std::future::IntoFuture;
 use std::time::Duration;
 
-use bson::{Bson, DateTime, Document};
+use bson::{Bson, DateTime, Document, doc};
 
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
 use crate::store::lease::{self, Lease};
@@ -31,12 +31,6 @@ impl ClaimedRow {
             raw,
         }
     }
-
-    /// A row read before the claim that the claim took: its lease fields as the claim set them.
-    fn held(mut raw: Document, lease: &Lease, store: &Store) -> Self {
-        raw.extend(lease::leased_fields(lease, store.uuids));
-        Self::read(raw, store.decoding)
-    }
 }
 
 /// What step 1 of a claim read: the records to take, oldest first, and the bounds the
@@ -47,8 +41,7 @@ pub struct Candidates {
     horizon: DateTime,
     shapes: Vec<crate::record::due::Shape>,
     excluded: Vec<String>,
-    docs: Vec<Document>,
-    /// Each candidate's `_id` and its `Time` as read: the take matches both.
+    /// Each candidate's `_id` and its `Time` as read.
     ids: Vec<(Bson, Bson)>,
     /// The read saw more claimable records than it returned.
     more: bool,
@@ -62,7 +55,6 @@ impl Candidates {
             horizon: DateTime::MAX,
             shapes: Vec::new(),
             excluded: Vec::new(),
-            docs: Vec::new(),
             ids: ids.into_iter().map(|id| (id, Bson::Null)).collect(),
             more: false,
         }
@@ -213,7 +205,7 @@ impl Store {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
-        // Whole documents: when the compare-and-swap takes every candidate they are the batch.
+        // `_id` and `Time` only: the take reads back the records it leased, as they are then.
         // One query per shape, each oldest first by its own index, merged by true instant.
         let reads = shapes.iter().map(|shape| {
             self.coll
@@ -226,6 +218,7 @@ impl Store {
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
+                .projection(doc! { field::ID: 1, field::TIME: 1 })
                 .max_time(self.server_limit())
         });
         let mut found: Vec<(DateTime, Document)> = Vec::new();
@@ -250,9 +243,9 @@ impl Store {
         let more = self
             .window
             .update(&range, &dues, found.len() >= batch_size as usize);
-        let docs: Vec<Document> = found.into_iter().map(|(_, d)| d).collect();
-        let ids = docs
+        let ids = found
             .iter()
+            .map(|(_, d)| d)
             .filter_map(|d| {
                 let time = d.get(field::TIME).cloned().unwrap_or(Bson::Null);
                 d.get(field::ID).cloned().map(|id| (id, time))
@@ -262,7 +255,6 @@ impl Store {
             horizon: range.to,
             shapes,
             excluded: excluded.to_vec(),
-            docs,
             ids,
             more,
         })
@@ -270,7 +262,7 @@ impl Store {
 
     /// Steps 2 to 6 of a claim: takes the `candidates` still claimable now under a fresh
     /// owner and a lease from now, with the compare-and-swap `updateMany`, and reads back
-    /// which are ours when a racing instance took some.
+    /// the records it leased as they are now: each is scheduled by the `Time` read back.
     pub async fn take(
         &self,
         candidates: Candidates,
@@ -280,11 +272,10 @@ impl Store {
             horizon,
             shapes,
             excluded,
-            docs: found,
             ids: as_read,
             more: windowed_more,
         } = candidates;
-        let found_count = found.len();
+        let found_count = as_read.len();
         let now = self.clock.now();
         let lease = Lease::new(now, lease_len);
         if as_read.is_empty() {
@@ -326,14 +317,8 @@ impl Store {
         }
         let rows = match taken {
             Ok(r) if r.modified == 0 => Ok(Vec::new()),
-            // Every candidate matched the compare-and-swap, so every one is now under this
-            // lease: the documents read are the batch (ServiceConnect changes only the lease
-            // fields of a stored record), and the read-back is skipped.
-            Ok(r) if r.modified == candidates.len() as u64 => Ok(found
-                .into_iter()
-                .map(|d| ClaimedRow::held(d, &lease, self))
-                .collect()),
-            // A racing instance took some: read back which are ours.
+            // Read back what this lease holds, as it is now: a racing instance may have taken
+            // some, and a record rescheduled since the read is sent by its new `Time`.
             Ok(_) => Self::timed("read_back", self.read_back(&candidates, &lease)).await,
             Err(e) => Err(e),
         };

@@ -157,30 +157,21 @@ pub fn all_of<const N: usize>(clauses: [Document; N]) -> Document {
     doc! { "$and": clauses.to_vec() }
 }
 
-/// The compare-and-swap claim: the claim's filter again, restricted to the candidates as
-/// they were read, each an `(_id, Time)` pair. A row a racing worker took since the
-/// candidates were read no longer matches and is skipped; so is a row whose `Time` changed
-/// since (rescheduled, by `timeoutd reschedule` or a ServiceConnect writer): taken with the
-/// document read, it would be sent at its old instant. A later claim reads it as it is now.
-/// `Time` is matched by equality on the whole stored value, date or `[ticks, offset]`, as
-/// `reschedule` matches it.
+/// The compare-and-swap claim: the claim's filter again, restricted to the candidates read
+/// (their `_id`s). A row a racing worker took since the candidates were read no longer
+/// matches and is skipped. A row whose `Time` changed since (rescheduled, by `timeoutd
+/// reschedule` or a ServiceConnect writer) is taken if it is still due by the horizon: the
+/// claim reads back what it took and schedules each record by the `Time` read back
+/// ([`crate::store::Store::take`]), never by the one read before.
 pub fn claim_filter(
     now: DateTime,
     horizon: DateTime,
     shapes: &[Shape],
     candidates: &[(Bson, Bson)],
 ) -> Document {
-    if candidates.is_empty() {
-        return doc! { field::ID: { "$in": [] } };
-    }
     let ids: Vec<Bson> = candidates.iter().map(|(id, _)| id.clone()).collect();
-    let as_read: Vec<Document> = candidates
-        .iter()
-        .map(|(id, time)| doc! { field::ID: id.clone(), field::TIME: time.clone() })
-        .collect();
     all_of([
         doc! { field::ID: { "$in": ids } },
-        doc! { "$or": as_read },
         due_by(horizon, shapes),
         claimable(now),
     ])
