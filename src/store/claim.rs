@@ -5,7 +5,7 @@
 use std::future::IntoFuture;
 use std::time::Duration;
 
-use bson::{Bson, DateTime, Document, doc};
+use bson::{Bson, DateTime, Document};
 
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
 use crate::store::lease::{self, Lease};
@@ -205,8 +205,8 @@ impl Store {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
-        // `_id` and `Time` only: the take reads back the records it leased, as they are then.
-        // One query per shape, each oldest first by its own index, merged by true instant.
+        // Whole documents (a projection saved nothing measurable on SecantusDB); the take
+        // reads back the records it leased, as they are then. One query per shape, each oldest first by its own index, merged by true instant.
         let reads = shapes.iter().map(|shape| {
             self.coll
                 .find(lease::due_within_except(
@@ -218,7 +218,6 @@ impl Store {
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
-                .projection(doc! { field::ID: 1, field::TIME: 1 })
                 .max_time(self.server_limit())
         });
         let mut found: Vec<(DateTime, Document)> = Vec::new();
