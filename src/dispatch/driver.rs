@@ -46,6 +46,13 @@ enum Done {
     },
 }
 
+/// The tokens of the wave in flight: the publisher cancels `answered` at the broker's first
+/// answer; the driver cancels `stop_waiting` when the machine says so.
+struct WaveTokens {
+    answered: CancellationToken,
+    stop_waiting: CancellationToken,
+}
+
 /// Which task an id is, for one that panicked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -69,9 +76,8 @@ pub struct Dispatcher {
     watch: LinkWatch,
     tasks: JoinSet<Done>,
     roles: HashMap<Id, Role>,
-    /// The wave in flight: cancelled at the broker's first answer, and to stop waiting.
-    answered: Option<CancellationToken>,
-    stop_waiting: Option<CancellationToken>,
+    /// The wave in flight's tokens.
+    wave: Option<WaveTokens>,
     settler: Settler,
     history: Option<HistorySink>,
     failed: Option<String>,
@@ -108,8 +114,7 @@ impl Dispatcher {
             publisher: Some(publisher),
             tasks: JoinSet::new(),
             roles: HashMap::new(),
-            answered: None,
-            stop_waiting: None,
+            wave: None,
             settler,
             history: None,
             failed: None,
@@ -118,12 +123,7 @@ impl Dispatcher {
 
     /// Records what fires and what is parked through `sink` (`[history] keep`).
     pub fn with_history(mut self, sink: Option<HistorySink>) -> Self {
-        self.machine = Machine::new(
-            self.config.clone(),
-            self.health.clone(),
-            sink.is_some(),
-            Instant::now(),
-        );
+        self.machine.record_history(sink.is_some());
         self.settler.history = sink.clone();
         self.history = sink;
         self
@@ -252,9 +252,10 @@ impl Dispatcher {
             .map_or(now.at + HEARTBEAT, |t| t.min(now.at + HEARTBEAT))
             .max(now.at);
         let answered = self
-            .answered
-            .clone()
-            .filter(|_| self.machine.awaits_answer());
+            .wave
+            .as_ref()
+            .filter(|_| self.machine.awaits_answer())
+            .map(|w| w.answered.clone());
         let answered = async {
             match answered {
                 Some(token) => token.cancelled_owned().await,
@@ -289,8 +290,7 @@ impl Dispatcher {
                         // `connection.blocked` went unseen from then on).
                         self.publisher =
                             Some(Publisher::renewed(&self.config.rabbitmq, &self.watch));
-                        self.answered = None;
-                        self.stop_waiting = None;
+                        self.wave = None;
                         Input::LinkDied
                     }
                     Some(Role::Claim) => {
@@ -317,8 +317,7 @@ impl Dispatcher {
             Done::Sent(publisher, outcomes) => {
                 let open = publisher.is_connected().then(|| publisher.frame_max());
                 self.publisher = Some(*publisher);
-                self.answered = None;
-                self.stop_waiting = None;
+                self.wave = None;
                 Input::WaveSent { outcomes, open }
             }
             Done::Settled { refused } => Input::Settled { refused },
@@ -375,8 +374,8 @@ impl Dispatcher {
                 frame_max,
             } => self.publish(messages, frame_max),
             Command::StopWaiting => {
-                if let Some(stop) = &self.stop_waiting {
-                    stop.cancel();
+                if let Some(wave) = &self.wave {
+                    wave.stop_waiting.cancel();
                 }
             }
             Command::Settle(work) => self.settle(work),
@@ -411,8 +410,10 @@ impl Dispatcher {
     fn publish(&mut self, messages: Vec<OutgoingMessage>, built_for: u32) {
         let mut publisher = self.take_publisher();
         let (answered, stop_waiting) = (CancellationToken::new(), CancellationToken::new());
-        self.answered = Some(answered.clone());
-        self.stop_waiting = Some(stop_waiting.clone());
+        self.wave = Some(WaveTokens {
+            answered: answered.clone(),
+            stop_waiting: stop_waiting.clone(),
+        });
         let shutdown = self.shutdown.clone();
         self.spawn(Role::Link, async move {
             // The wave's own connect (the link dropped since the wave was built) yields to

@@ -65,15 +65,10 @@ impl Candidates {
         self.ids.is_empty()
     }
 
-    /// Nothing taken: the claim was given up after the read (the broker never answered the
-    /// wave it waited on, or shutdown). More may be claimable.
-    pub fn abandoned(self, lease_len: Duration, now: DateTime) -> Claim {
-        Claim {
-            lease: Lease::new(now, lease_len),
-            rows: Vec::new(),
-            more: self.more || !self.ids.is_empty(),
-            read: 0,
-        }
+    /// Whether more may be claimable once these are given up: the read saw more than it
+    /// returned, or returned any.
+    pub fn more(&self) -> bool {
+        self.more || !self.ids.is_empty()
     }
 }
 
