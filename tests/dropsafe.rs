@@ -15,9 +15,11 @@ use bson::{DateTime, doc};
 use common::csharp::{offset_record, public_record};
 use common::*;
 use timeoutd::store::Store;
+use timeoutd::store::claim::ClaimPath;
 use timeoutd::store::clock::ServerClock;
 use timeoutd::store::edit::{Move, Selector};
-use timeoutd::store::shapes::REFRESH_WHILE_EMPTY;
+use timeoutd::store::shapes::{Shapes, learner};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// The failpoints are the process's: one test at a time.
@@ -33,12 +35,13 @@ async fn store_for(env: &TestEnv, operation_timeout: Duration) -> Store {
 }
 
 /// Claims until `n` records were taken in all, or `within` passed; returns how many.
-async fn claim_up_to(store: &Store, n: usize, within: Duration) -> usize {
+async fn claim_up_to(claims: &ClaimPath, n: usize, within: Duration) -> usize {
     let deadline = tokio::time::Instant::now() + within;
     let mut taken = 0;
     while taken < n && tokio::time::Instant::now() < deadline {
-        let claim = store
-            .claim(100, Duration::from_secs(300))
+        let read = claims.candidates(100, Duration::ZERO, &[]).await;
+        let claim = claims
+            .take(read.expect("candidates"), Duration::from_secs(300))
             .await
             .expect("claim");
         taken += claim.rows.len();
@@ -50,39 +53,44 @@ async fn claim_up_to(store: &Store, n: usize, within: Duration) -> usize {
     taken
 }
 
-/// Issue 19's wedge: a claim's deadline drops the shape cache's learn between its two queries.
-/// It once left the cache marked as refreshing for good: every later claim read no shape and
-/// took nothing, and only a restart cleared it.
+/// Issue 19's wedge: a claim's deadline fired in the middle of a shape learn, and left the
+/// shapes marked as being learned for good: every later claim read no shape and took nothing,
+/// and only a restart cleared it. The learn is the learner task's now, never a claim's: a
+/// claim whose deadline fires while it waits for the first learn leaves it to finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_shape_learn_dropped_halfway_does_not_stop_later_claims() {
+async fn a_claim_dropped_during_the_first_shape_learn_does_not_stop_later_claims() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new().await;
     let store = store_for(&env, Duration::from_secs(1)).await;
-    // An empty collection: no shape is known, and the next claim learns again once this is
-    // older than REFRESH_WHILE_EMPTY.
-    assert_eq!(store.shapes().await.expect("shapes"), vec![]);
-    tokio::time::sleep(REFRESH_WHILE_EMPTY).await;
-
     // Each query of the learn is answered after 600 ms, within operation_timeout (1 s); the
     // two together are not, so the claim's own deadline (as the dispatch loop bounds it)
-    // fires between them.
+    // fires while it waits for them.
     fail::cfg("shapes-reply-delay", "return(600)").unwrap();
+    let (learner, shapes) = learner(&store);
+    let stop = CancellationToken::new();
+    tokio::spawn(
+        learner
+            .expect("the collection's shapes are learned")
+            .run(stop.clone()),
+    );
+    let claims = ClaimPath::new(store.clone(), shapes);
     let read = store
         .bounded(
             "read claim candidates",
-            store.candidates(100, Duration::ZERO, &[]),
+            claims.candidates(100, Duration::ZERO, &[]),
         )
         .await;
-    fail::remove("shapes-reply-delay");
     assert!(
         read.is_err(),
         "the claim's deadline fired during the learn: {read:?}"
     );
+    fail::remove("shapes-reply-delay");
 
     // Records written afterwards are claimed.
     env.insert_due(3).await;
-    let taken = claim_up_to(&store, 3, Duration::from_secs(15)).await;
-    assert_eq!(taken, 3, "the records written after the dropped learn");
+    let taken = claim_up_to(&claims, 3, Duration::from_secs(15)).await;
+    assert_eq!(taken, 3, "the records written after the dropped claim");
+    stop.cancel();
     env.cleanup().await;
 }
 
@@ -94,8 +102,6 @@ async fn a_take_dropped_after_its_claim_frees_what_it_leased() {
     let env = TestEnv::new().await;
     let store = store_for(&env, Duration::from_secs(1)).await;
     let ids = env.insert_due(3).await;
-    // Learned before the failpoint, so that the claim below reaches its take.
-    assert!(!store.shapes().await.expect("shapes").is_empty());
 
     fail::cfg("claim-taken-delay", "1*return(1500)").unwrap();
     let claim = store
@@ -117,7 +123,8 @@ async fn a_take_dropped_after_its_claim_frees_what_it_leased() {
         freed,
         "the records leased by the dropped take are free again well before their 300 s lease ran out"
     );
-    assert_eq!(claim_up_to(&store, 3, Duration::from_secs(10)).await, 3);
+    let claims = ClaimPath::new(store.clone(), Shapes::read_now(&store).await.unwrap());
+    assert_eq!(claim_up_to(&claims, 3, Duration::from_secs(10)).await, 3);
     env.cleanup().await;
 }
 
@@ -139,7 +146,8 @@ async fn a_record_rescheduled_after_its_claim_read_it_is_taken_at_its_new_time()
     ])
     .await;
     let look_ahead = Duration::from_secs(120);
-    let candidates = store
+    let claims = ClaimPath::new(store.clone(), Shapes::read_now(&store).await.unwrap());
+    let candidates = claims
         .candidates(100, look_ahead, &[])
         .await
         .expect("candidates");
@@ -163,7 +171,7 @@ async fn a_record_rescheduled_after_its_claim_read_it_is_taken_at_its_new_time()
         .await
         .expect("move the offset record");
 
-    let claim = store
+    let claim = claims
         .take(candidates, Duration::from_secs(300))
         .await
         .expect("take");

@@ -78,10 +78,7 @@ async fn a_paused_destination_is_counted_apart_from_the_due_backlog() {
     let named = reading.oldest_unclaimed.map(|(id, _)| id);
     assert_eq!(named, Some(uuid(limited)));
 
-    let shapes = std::sync::Arc::new(timeoutd::store::shapes::ShapeCache::default())
-        .checked(&store)
-        .await
-        .unwrap();
+    let shapes = store.shapes().await.unwrap();
     let rated = store
         .read_backlog(&shapes, 100, std::slice::from_ref(&other))
         .await
@@ -99,7 +96,7 @@ async fn a_paused_destination_is_counted_apart_from_the_due_backlog() {
     env.cleanup().await;
 }
 
-/// Items 2 and 3: the wedge of issue 19, a shape cache that knows no `Time` shape (a
+/// Items 2 and 3: the wedge of issue 19, a claim path that knows no `Time` shape (a
 /// failpoint), makes every claim read nothing and succeed while due records wait. The backlog
 /// gauge, read independently of the claim path, still shows the records (it read 0 from the
 /// same cache before), `/readyz` turns 503 and `timeoutd_due_unclaimed_seconds` shows the

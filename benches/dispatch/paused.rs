@@ -14,7 +14,9 @@ use mongodb::Collection;
 use serde_json::json;
 use timeoutd::config::TimeEncoding;
 use timeoutd::store::Store;
+use timeoutd::store::claim::ClaimPath;
 use timeoutd::store::clock::ServerClock;
+use timeoutd::store::shapes::Shapes;
 
 use super::{
     CLAIM_BATCH, ClaimMs, Ctx, INSERT_CHUNK, Row, Scen, env_parse, now_ms, percentile, record,
@@ -45,18 +47,16 @@ async fn insert(
 
 /// `reps + 1` claims leaving `paused` out; (the first, the rest).
 async fn time_claims(store: &Store, reps: usize, paused: &[String]) -> Result<(f64, Vec<f64>)> {
+    // One claim path for the run, as the dispatch loop keeps one: it keeps where the others begin.
+    let claims = ClaimPath::new(store.clone(), Shapes::read_now(store).await?);
     let mut first = f64::NAN;
     let mut rest = Vec::with_capacity(reps);
     for i in 0..=reps {
         let t = Instant::now();
-        let claim = store
-            .claim_except(
-                CLAIM_BATCH,
-                Duration::from_secs(300),
-                Duration::ZERO,
-                paused,
-            )
+        let candidates = claims
+            .candidates(CLAIM_BATCH, Duration::ZERO, paused)
             .await?;
+        let claim = claims.take(candidates, Duration::from_secs(300)).await?;
         let ms = t.elapsed().as_secs_f64() * 1000.0;
         // The read window may bound a claim short of the batch (a thin read moves its bound
         // on; the daemon then claims again at once): said, not fatal, the median holds.

@@ -17,9 +17,10 @@ use crate::operator::control::ControlState;
 use crate::rabbit::publisher::Publisher;
 use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
+use crate::store::claim::ClaimPath;
 use crate::store::clock::ServerClock;
 use crate::store::pacing::Pacing;
-use crate::store::shapes::ShapeCache;
+use crate::store::shapes::Shapes;
 use crate::store::{Store, StoreError};
 use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};
 
@@ -251,10 +252,16 @@ async fn start(
             }
         }),
     );
+    // The one learner of the `Time` shapes, for the claims and the monitor.
+    let (learner, shapes) = crate::store::shapes::learner(&store);
+    if let Some(learner) = learner {
+        tasks.spawn("shapes", ok(learner.run(shutdown.clone())));
+    }
     tasks.spawn(
         "monitor",
         ok(monitor(
             store.clone(),
+            shapes.clone(),
             health.clone(),
             rate_limited(config),
             shutdown.clone(),
@@ -321,7 +328,7 @@ async fn start(
     );
     let dispatcher = Dispatcher::new(
         config.clone(),
-        store,
+        ClaimPath::new(store, shapes),
         control,
         publisher,
         health.clone(),
@@ -408,13 +415,12 @@ fn rate_limited(config: &Config) -> Vec<String> {
 /// first pass only reads the backlog.
 async fn monitor(
     store: Store,
+    shapes: Shapes,
     health: Arc<Health>,
     rate_limited: Vec<String>,
     shutdown: CancellationToken,
 ) {
     let parking = store.parking();
-    // Its own instance of the learner, not the store's (see `crate::store::shapes`).
-    let shapes = Arc::new(ShapeCache::default());
     let mut clock_read = Instant::now();
     // Each reading is paced on its own: after a failure it is skipped until its back-off has
     // passed, after a timeout until the abandoned run has ended on the server.
@@ -424,7 +430,7 @@ async fn monitor(
         if backlog.ready() {
             let at = Instant::now();
             let reading = Store::timed("backlog", async {
-                let shapes = shapes.checked(&store).await?;
+                let shapes = shapes.checked(MONITOR_INTERVAL)?;
                 tokio::try_join!(
                     store.read_backlog(
                         &shapes,

@@ -27,9 +27,10 @@ use crate::rabbit::publisher::{LinkWatch, PublishError, Publisher, SendOutcome};
 use crate::record::message::OutgoingMessage;
 use crate::service::health::Health;
 use crate::service::supervisor::panic_message;
-use crate::store::claim::{Candidates, Claim};
+use crate::store::StoreError;
+use crate::store::claim::{Candidates, Claim, ClaimPath};
 use crate::store::history::HistorySink;
-use crate::store::{Store, StoreError};
+use crate::store::shapes::Shapes;
 
 /// How often the loop turns when nothing happens, so that liveness keeps being reported.
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -43,6 +44,8 @@ enum Done {
     Sent(Box<Publisher>, Vec<SendOutcome>),
     Settled {
         refused: Option<String>,
+        /// The work released records.
+        released: bool,
     },
 }
 
@@ -64,7 +67,9 @@ enum Role {
 /// The dispatch loop: the machine and what runs its commands. One per process.
 pub struct Dispatcher {
     config: Arc<Config>,
-    store: Store,
+    claims: Arc<ClaimPath>,
+    /// The learner's `Time` shapes: a change wakes the claims.
+    shapes: Shapes,
     health: Arc<Health>,
     shutdown: CancellationToken,
     signals: Signals,
@@ -86,7 +91,7 @@ pub struct Dispatcher {
 impl Dispatcher {
     pub fn new(
         config: Arc<Config>,
-        store: Store,
+        claims: ClaimPath,
         control: Arc<ControlState>,
         publisher: Publisher,
         health: Arc<Health>,
@@ -95,7 +100,7 @@ impl Dispatcher {
     ) -> Self {
         let machine = Machine::new(config.clone(), health.clone(), false, Instant::now());
         let settler = Settler {
-            store: store.clone(),
+            store: claims.store().clone(),
             retry: config.retry.clone(),
             history: None,
             health: health.clone(),
@@ -104,7 +109,8 @@ impl Dispatcher {
         };
         Self {
             config,
-            store,
+            shapes: claims.shapes(),
+            claims: Arc::new(claims),
             health,
             shutdown,
             signals,
@@ -176,7 +182,7 @@ impl Dispatcher {
     }
 
     fn now(&self) -> Now {
-        let clock = self.store.clock();
+        let clock = self.claims.store().clock();
         Now {
             at: Instant::now(),
             earliest: clock.earliest(),
@@ -268,6 +274,8 @@ impl Dispatcher {
             _ = self.shutdown.cancelled(), if !stopping => Input::Shutdown,
             Some(done) = self.tasks.join_next_with_id() => self.finished(done),
             _ = self.signals.inserted.notified(), if !stopping => Input::Inserted,
+            // Records of a shape the claims did not query may be due.
+            _ = self.shapes.changed(), if !stopping => Input::Inserted,
             _ = self.signals.control.notified(), if !stopping => Input::Control(self.control.get()),
             _ = answered => Input::Answered,
             _ = tokio::time::sleep_until(tick) => Input::Timeout,
@@ -301,6 +309,7 @@ impl Dispatcher {
                         tracing::error!(
                             "settling panicked; its records come back when their lease expires"
                         );
+                        self.claims.released();
                         Input::Settled { refused: None }
                     }
                 };
@@ -320,7 +329,12 @@ impl Dispatcher {
                 self.wave = None;
                 Input::WaveSent { outcomes, open }
             }
-            Done::Settled { refused } => Input::Settled { refused },
+            Done::Settled { refused, released } => {
+                if released {
+                    self.claims.released();
+                }
+                Input::Settled { refused }
+            }
         }
     }
 
@@ -336,7 +350,7 @@ impl Dispatcher {
                 ahead,
                 excluded,
             } => {
-                let store = self.store.clone();
+                let claims = self.claims.clone();
                 self.spawn(Role::Claim, async move {
                     // Tests only: a slow claim (a wake-up must not be lost while it runs).
                     #[cfg(feature = "failpoints")]
@@ -345,14 +359,16 @@ impl Dispatcher {
                     {
                         tokio::time::sleep(Duration::from_millis(ms)).await;
                     }
-                    let read = store.candidates(batch, ahead, &excluded);
+                    let read = claims.candidates(batch, ahead, &excluded);
+                    let store = claims.store();
                     Done::Read(store.bounded("read claim candidates", read).await)
                 });
             }
             Command::Take { candidates, lease } => {
-                let store = self.store.clone();
+                let claims = self.claims.clone();
                 self.spawn(Role::Claim, async move {
-                    let take = store.take(candidates, lease);
+                    let take = claims.take(candidates, lease);
+                    let store = claims.store();
                     Done::Taken(store.bounded("take claim candidates", take).await)
                 });
             }
@@ -400,9 +416,11 @@ impl Dispatcher {
     fn settle(&mut self, work: Settle) {
         let settler = self.settler.clone();
         let refused = work.refused_destination();
+        // A refused send may be released for a retry too.
+        let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
         self.spawn(Role::Settle, async move {
             work.run(&settler).await;
-            Done::Settled { refused }
+            Done::Settled { refused, released }
         });
     }
 
@@ -455,6 +473,7 @@ mod tests {
     use crate::dispatch::settle::tests::silent_server;
     use crate::rabbit::publisher::tests::fake::FakeBroker;
     use crate::record::TimeoutRecord;
+    use crate::store::Store;
     use crate::store::clock::ServerClock;
 
     async fn dispatcher(config: Config, publisher: Option<Publisher>) -> Dispatcher {
@@ -466,9 +485,10 @@ mod tests {
             None => Publisher::new(&config.rabbitmq).expect("publisher"),
         };
         let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let claims = ClaimPath::new(store, Shapes::Fixed(Vec::new()));
         Dispatcher::new(
             Arc::new(config),
-            store,
+            claims,
             Arc::default(),
             publisher,
             health,

@@ -4,7 +4,7 @@
 //! command (`hello`, `buildInfo`, `collMod`, `createIndexes`, `listIndexes`, `dropIndexes`),
 //! or one change stream. [`Backend`] runs them: [`Driver`](crate::store::driver) with the
 //! `mongodb` crate in the daemon, an in-memory model in the simulation (`sim/`). The lease
-//! filters, the shape cache, the read window, the paused head and the claim's drop guard all
+//! filters, the shape learner, the read window, the paused head and the claim's drop guard all
 //! sit above this seam, so they run as real code under the simulation.
 //!
 //! Errors are the driver's own [`mongodb::error::Error`], so that the code that classifies

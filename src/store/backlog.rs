@@ -1,9 +1,8 @@
 //! The monitor's reading of the due backlog: what the backlog alerts and the progress check
 //! ([`crate::service::progress`]) read. It depends on nothing the claim path keeps, so a claim path
 //! that goes wrong cannot make it read zero:
-//! - the `Time` shapes come from the monitor's own instance of the one learner,
-//!   [`ShapeCache`], asked with [`ShapeCache::checked`] (a probe at every reading, its
-//!   shapes replaced only after a read succeeded), not from the claim path's instance;
+//! - the `Time` shapes are the learner's ([`crate::store::shapes`]), taken only when a probe
+//!   checked them within the monitor's interval, never what the claim path last used;
 //! - the pauses and ramps come from the control collection itself, not from what the
 //!   dispatch loop applies.
 //!
@@ -13,14 +12,11 @@
 //! `Time` shape (while something is paused, the seek walks past the paused records due before
 //! the first other one, as the claim's read from the start does).
 
-use std::sync::Arc;
-
 use bson::{Bson, DateTime, Document, doc};
 
 use crate::record::due::Shape;
 use crate::record::{TimeoutRecord, field};
 use crate::store::lease;
-use crate::store::shapes::ShapeCache;
 use crate::store::{Store, StoreError};
 
 /// One reading of the due backlog.
@@ -41,7 +37,7 @@ pub struct Reading {
 impl Store {
     /// [`Store::read_backlog`] with the shapes read now and no rate limits.
     pub async fn backlog(&self, up_to: u64) -> Result<Reading, StoreError> {
-        let shapes = Arc::new(ShapeCache::default()).checked(self).await?;
+        let shapes = self.shapes().await?;
         self.read_backlog(&shapes, up_to, &[]).await
     }
 

@@ -40,8 +40,6 @@ use crate::record::{Decoding, TimeoutRecord, field};
 use crate::store::backend::{Backend, ChangeStream};
 use crate::store::clock::ServerClock;
 use crate::store::coll::Coll;
-use crate::store::read_window::ReadWindow;
-use crate::store::shapes::ShapeCache;
 
 pub use crate::store::claim::{Candidates, Claim, ClaimedRow};
 
@@ -64,6 +62,8 @@ pub enum StoreError {
     Deadline(#[from] crate::deadline::Elapsed),
     #[error("a MongoDB call panicked: {0}")]
     Panicked(String),
+    #[error("the Time shapes of the timeouts collection were not checked recently")]
+    ShapesUnchecked,
 }
 
 /// A handle on the `Timeouts` collection; cheap to clone.
@@ -85,11 +85,7 @@ pub struct Store {
     uuids: UuidRepresentation,
     decoding: Decoding,
     clock: ServerClock,
-    window: Arc<ReadWindow>,
-    /// Where claims start reading while destinations are left out ([`crate::store::paused_head`]).
-    head: Arc<crate::store::paused_head::PausedHead>,
     lock_lease: Duration,
-    shapes: Arc<ShapeCache>,
     /// Deadline of every single call ([`Store::bounded`]).
     op_timeout: Duration,
     /// `[history] keep` is set: fired, parked and cancelled timeouts are recorded.
@@ -140,10 +136,7 @@ impl Store {
             uuids: config.uuid_representation,
             decoding: Decoding::from(config.time_encoding),
             clock,
-            window: Arc::new(ReadWindow::default()),
-            head: Arc::default(),
             lock_lease: crate::config::DispatchConfig::default().lock_lease,
-            shapes: Arc::new(ShapeCache::default()),
             op_timeout: config.operation_timeout,
             history_on: false,
             write_concern: None,
@@ -365,7 +358,6 @@ impl Store {
 
     /// Frees one record if `owner` still holds it; `false` means the lease was lost.
     pub async fn release_one(&self, id: &Bson, owner: Uuid) -> Result<bool, StoreError> {
-        self.head.forget();
         let r = self
             .coll
             .update_one(
@@ -381,8 +373,6 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
-        // Freed records may be due before where claims start reading now.
-        self.head.forget();
         let r = Self::timed(
             "release",
             self.coll
@@ -421,9 +411,6 @@ impl Store {
                 lease::release_update(self.uuids),
             )
             .await?;
-        if r.modified > 0 {
-            self.head.forget();
-        }
         Ok(r.modified)
     }
 
@@ -442,7 +429,7 @@ impl Store {
     pub async fn insert(&self, record: &TimeoutRecord) -> Result<(), StoreError> {
         let encoding = match self.encoding {
             TimeEncoding::Auto => {
-                let shapes = self.learn_shapes().await?;
+                let shapes = self.shapes().await?;
                 if !shapes.is_empty() && !shapes.contains(&Shape::Date) {
                     TimeEncoding::DotnetTicks
                 } else {
@@ -459,22 +446,9 @@ impl Store {
         Ok(())
     }
 
-    /// The `Time` shapes the due query covers now (learned from the collection, refreshed in
-    /// the background; see [`crate::store::shapes`]).
+    /// The `Time` shapes the collection holds now, read once ([`crate::store::shapes`]).
     pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
-        // Tests only: the wedge of issue 19, the claim path's cache knowing no shape (every
-        // claim then reads nothing and succeeds), for the checks that must see it from
-        // outside. The monitor's own cache is not wedged ([`crate::store::backlog`]).
-        #[cfg(feature = "failpoints")]
-        if fail::eval("shapes-know-nothing", |_| ()).is_some() {
-            return Ok(Vec::new());
-        }
-        self.shapes.current(self).await
-    }
-
-    /// Learns the `Time` shapes from the collection now, and keeps them.
-    pub async fn learn_shapes(&self) -> Result<Vec<Shape>, StoreError> {
-        self.shapes.learn(self).await
+        crate::store::shapes::read_now(self).await
     }
 }
 

@@ -5,191 +5,190 @@
 //! index), and `distinct("Time.1")`, the offsets of the `[ticks, offset]` records (MongoDB
 //! answers it from the `{"Time.1": 1, "Time.0": 1}` index with a DISTINCT_SCAN, one seek per
 //! distinct offset). Every [`REFRESH`] a background probe asks whether a record of a shape
-//! not yet known exists (`"Time.1": {$nin: known}`, one index seek on MongoDB) and learns the
+//! not yet known exists (`"Time.1": {$in: [every offset not seen]}`, index point seeks) and learns the
 //! set again only then, or every [`FULL_REFRESH`] (to drop offsets no record holds any
 //! more). A claim never waits for this except the first. A record whose offset no other
 //! record had (a new time zone, a DST change) is served from the next probe: it fires at its
 //! instant when it was written at least `REFRESH` ahead of it.
 //!
-//! One learner, two ways to ask it. The claim path asks [`ShapeCache::current`], which waits
-//! only for the first learn and probes in the background. The monitor
-//! ([`crate::store::backlog`]) asks [`ShapeCache::checked`], which waits for the probe (or the
-//! learn every [`FULL_REFRESH`]) at every reading and fails the reading when a query fails:
-//! a reading then counts a record of a new shape at once, and never reports a count over
-//! shapes it could not check. The monitor keeps an instance of its own, not the claim path's:
-//! a cache wedged on the claim path (issue 19: it knew no shape, every claim read nothing)
-//! must not make the backlog read zero too, or nothing would show the wedge.
+//! One learner, run as a task of its own ([`Learner::run`], the daemon's `shapes` task): it
+//! publishes what it learned, and the claim path and the monitor read that ([`Shapes`]). The
+//! claim path waits only for the first learn, and is woken when the set changes. The monitor
+//! ([`crate::store::backlog`]) takes the set only if a probe checked it within its own
+//! interval, and fails the reading otherwise: it never reports a count over shapes nobody
+//! could check. One-shot commands read the set once ([`Shapes::read_now`]).
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use bson::{Bson, Document, doc};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::TimeEncoding;
 use crate::record::due::{self, Shape};
 use crate::record::field;
+use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 
-/// How often a background probe looks for records of a shape not yet known.
+/// How often the learner probes for records of a shape not yet known.
 pub const REFRESH: Duration = Duration::from_secs(2);
 /// How often the set is learned again while it is empty.
 pub const REFRESH_WHILE_EMPTY: Duration = Duration::from_millis(200);
 /// How often the whole set is learned again.
 pub const FULL_REFRESH: Duration = Duration::from_secs(60);
 
-/// The learned shapes, shared by the clones of a store.
-#[derive(Debug, Default)]
-pub struct ShapeCache {
-    state: Mutex<State>,
-    /// Held by the one learn or probe that runs, for as long as it runs: its guard lives in
-    /// the task that runs it (never in a caller's future, which a deadline can drop halfway),
-    /// so it is free again whatever becomes of that task, even when it panics.
-    busy: Arc<tokio::sync::Mutex<()>>,
+/// What the learner last published.
+#[derive(Debug, Clone, Default)]
+pub struct Learned {
+    /// `None` until the first learn succeeded.
+    shapes: Option<Vec<Shape>>,
+    /// When a probe or a learn last succeeded.
+    checked_at: Option<Instant>,
 }
 
-#[derive(Debug, Default)]
-struct State {
-    shapes: Option<Vec<Shape>>,
+/// The `Time` shapes to query: the learner's, or a set read once. Cheap to clone.
+#[derive(Debug, Clone)]
+pub enum Shapes {
+    /// Read once, or known from the configuration (`time_encoding = "date"`).
+    Fixed(Vec<Shape>),
+    Learned(watch::Receiver<Learned>),
+}
+
+impl Shapes {
+    /// The shapes the collection holds now, read once (one-shot commands, tests).
+    pub async fn read_now(store: &Store) -> Result<Self, StoreError> {
+        Ok(Self::Fixed(read_now(store).await?))
+    }
+
+    /// The shapes to query now: the last published, after the first learn (waited for).
+    pub async fn current(&self) -> Result<Vec<Shape>, StoreError> {
+        match self {
+            Shapes::Fixed(shapes) => Ok(shapes.clone()),
+            Shapes::Learned(rx) => match rx.clone().wait_for(|l| l.shapes.is_some()).await {
+                Ok(l) => Ok(l.shapes.clone().unwrap_or_default()),
+                Err(_) => Err(StoreError::ShapesUnchecked),
+            },
+        }
+    }
+
+    /// The shapes, if the learner checked them within `within` (the monitor's readings).
+    pub fn checked(&self, within: Duration) -> Result<Vec<Shape>, StoreError> {
+        match self {
+            Shapes::Fixed(shapes) => Ok(shapes.clone()),
+            Shapes::Learned(rx) => {
+                let l = rx.borrow();
+                match (&l.shapes, l.checked_at) {
+                    (Some(shapes), Some(at)) if at.elapsed() <= within => Ok(shapes.clone()),
+                    _ => Err(StoreError::ShapesUnchecked),
+                }
+            }
+        }
+    }
+
+    /// Resolves when the learned set changes (never, for a fixed set): the claims that read
+    /// nothing under the old set may find records now.
+    pub async fn changed(&mut self) {
+        if let Shapes::Learned(rx) = self
+            && rx.changed().await.is_ok()
+        {
+            return;
+        }
+        std::future::pending().await
+    }
+}
+
+/// The one learner of the `Time` shapes ([`Learner::run`]).
+#[derive(Debug)]
+pub struct Learner {
+    store: Store,
+    tx: watch::Sender<Learned>,
     /// Every `"Time.1"` value seen, servable or not: what the probe need not find again.
     offsets_seen: Vec<Bson>,
-    probed_at: Option<Instant>,
     learned_at: Option<Instant>,
 }
 
-impl ShapeCache {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+/// The learner of `store`'s shapes, and what it publishes; no learner when the configuration
+/// fixes the shape (`time_encoding = "date"`).
+pub fn learner(store: &Store) -> (Option<Learner>, Shapes) {
+    if store.encoding == TimeEncoding::Date {
+        return (None, Shapes::Fixed(vec![Shape::Date]));
     }
+    let (tx, rx) = watch::channel(Learned::default());
+    let learner = Learner {
+        store: store.clone(),
+        tx,
+        offsets_seen: Vec::new(),
+        learned_at: None,
+    };
+    (Some(learner), Shapes::Learned(rx))
+}
 
-    /// The shapes to query now. The first call (and any call while none is known) learns
-    /// them; later ones start a background probe once the last is older than [`REFRESH`].
-    ///
-    /// A learn runs in a task of its own, which the caller awaits: a caller dropped halfway
-    /// (its own deadline fired first) leaves the learn to finish under its queries' own
-    /// deadlines and keep what it read. (Run in the caller's future, a learn dropped between
-    /// its two queries left the cache marked as refreshing for good, and every later claim
-    /// read no shape and took nothing.)
-    pub async fn current(self: &Arc<Self>, store: &Store) -> Result<Vec<Shape>, StoreError> {
-        if store.encoding == TimeEncoding::Date {
-            return Ok(vec![Shape::Date]);
-        }
-        let (known, stale, learned_at) = {
-            let s = self.lock();
-            // While none is known (an empty collection), look again more often, so that the
-            // first records inserted fire on time.
-            let every = match &s.shapes {
-                Some(shapes) if shapes.is_empty() => REFRESH_WHILE_EMPTY,
-                _ => REFRESH,
+impl Learner {
+    /// Until shutdown: learns the set, then probes every [`REFRESH`] (every
+    /// [`REFRESH_WHILE_EMPTY`] while the set is empty, so that the first records inserted
+    /// fire on time), learning again when a probe finds a new shape and every
+    /// [`FULL_REFRESH`] (to drop offsets no record holds any more). Failures are paced by
+    /// [`Pacing`], keeping the last set.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut pacing = Pacing::new(self.store.operation_timeout());
+        loop {
+            let result = self.refresh().await;
+            let wait = match pacing.record(&result) {
+                Some(wait) => {
+                    tracing::debug!(error = ?result.err(), ?wait, "could not refresh the Time shapes; keeping the last ones");
+                    wait
+                }
+                None if self.tx.borrow().shapes.as_ref().is_some_and(Vec::is_empty) => {
+                    REFRESH_WHILE_EMPTY
+                }
+                None => REFRESH,
             };
-            let stale = s.probed_at.is_none_or(|t| t.elapsed() >= every);
-            (s.shapes.clone(), stale, s.learned_at)
-        };
-        match known {
-            Some(shapes) if !shapes.is_empty() => {
-                // A probe in the background; none while one still runs.
-                if stale && let Ok(busy) = self.busy.clone().try_lock_owned() {
-                    let (cache, store) = (self.clone(), store.clone());
-                    crate::host::spawn(async move {
-                        let _busy = busy;
-                        if let Err(e) = cache.refresh(&store).await {
-                            tracing::debug!(error = %e, "could not refresh the Time shapes; keeping the last ones");
-                        }
-                    });
-                }
-                Ok(shapes)
-            }
-            Some(none) if !stale => Ok(none),
-            // Nothing known yet: learn before claiming, one learn at a time.
-            _ => {
-                let busy = self.busy.clone().lock_owned().await;
-                // A learn that ran while this call waited has just read the collection.
-                {
-                    let s = self.lock();
-                    if s.learned_at != learned_at
-                        && let Some(shapes) = &s.shapes
-                    {
-                        return Ok(shapes.clone());
-                    }
-                }
-                let (cache, store) = (self.clone(), store.clone());
-                alone(busy, async move { cache.learn(&store).await }).await
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return,
             }
         }
-    }
-
-    /// The shapes as the collection holds them now, for the monitor: a probe for a shape not
-    /// known yet at every call, and a learn when it finds one, when the set is older than
-    /// [`FULL_REFRESH`] or when none was learned yet (the same [`ShapeCache::refresh`] the
-    /// claim path runs in the background, awaited here). A failed query fails the call and
-    /// keeps the last shapes. Like a learn, it runs in a task of its own holding `busy`: a
-    /// caller dropped halfway leaves it to finish.
-    pub async fn checked(self: &Arc<Self>, store: &Store) -> Result<Vec<Shape>, StoreError> {
-        if store.encoding == TimeEncoding::Date {
-            return Ok(vec![Shape::Date]);
-        }
-        let busy = self.busy.clone().lock_owned().await;
-        let (cache, store) = (self.clone(), store.clone());
-        alone(busy, async move {
-            cache.refresh(&store).await?;
-            Ok(cache.lock().shapes.clone().unwrap_or_default())
-        })
-        .await
     }
 
     /// Learns the set again when it is older than [`FULL_REFRESH`] or a probe finds a record
-    /// of a shape not in it.
-    async fn refresh(&self, store: &Store) -> Result<(), StoreError> {
-        let (shapes, seen, learned_at) = {
-            let s = self.lock();
-            (
-                s.shapes.clone().unwrap_or_default(),
-                s.offsets_seen.clone(),
-                s.learned_at,
-            )
-        };
-        if learned_at.is_none_or(|t| t.elapsed() >= FULL_REFRESH)
-            || Store::timed("shapes", probe_finds_new(store, &shapes, seen)).await?
-        {
-            self.learn(store).await?;
-        } else {
-            self.lock().probed_at = Some(Instant::now());
-        }
-        Ok(())
-    }
-
-    /// Reads the shapes present from the collection and keeps them.
-    pub async fn learn(&self, store: &Store) -> Result<Vec<Shape>, StoreError> {
-        let learned = Store::timed("shapes", read_shapes(store)).await;
-        let mut s = self.lock();
-        if let Ok((shapes, seen)) = &learned {
-            if s.shapes.as_ref() != Some(shapes) {
-                tracing::debug!(shapes = ?shapes, "Time shapes in the timeouts collection");
+    /// of a shape not in it, and publishes it.
+    async fn refresh(&mut self) -> Result<(), StoreError> {
+        let known = self.tx.borrow().shapes.clone();
+        let learn = match (known, self.learned_at) {
+            (Some(shapes), Some(at)) if at.elapsed() < FULL_REFRESH => {
+                let seen = self.offsets_seen.clone();
+                Store::timed("shapes", probe_finds_new(&self.store, &shapes, seen)).await?
             }
-            s.shapes = Some(shapes.clone());
-            s.offsets_seen = seen.clone();
-            s.learned_at = Some(Instant::now());
-            s.probed_at = s.learned_at;
+            _ => true,
+        };
+        let now = Instant::now();
+        if !learn {
+            self.tx.send_modify(|l| l.checked_at = Some(now));
+            return Ok(());
         }
-        learned.map(|(shapes, _)| shapes)
+        let (shapes, seen) = Store::timed("shapes", read_shapes(&self.store)).await?;
+        self.offsets_seen = seen;
+        self.learned_at = Some(now);
+        self.tx.send_if_modified(|l| {
+            l.checked_at = Some(now);
+            if l.shapes.as_ref() == Some(&shapes) {
+                return false;
+            }
+            tracing::debug!(shapes = ?shapes, "Time shapes in the timeouts collection");
+            l.shapes = Some(shapes);
+            true
+        });
+        Ok(())
     }
 }
 
-/// Runs `work` in a task of its own that holds `busy` until it ends, and awaits it.
-async fn alone<T: Send + 'static>(
-    busy: tokio::sync::OwnedMutexGuard<()>,
-    work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
-) -> Result<T, StoreError> {
-    let task = crate::host::spawn(async move {
-        let _busy = busy;
-        work.await
-    });
-    match task.await {
-        Ok(done) => done,
-        Err(e) => Err(StoreError::Panicked(format!(
-            "learning the Time shapes: {e}"
-        ))),
+/// The shapes the collection holds now, read once.
+pub async fn read_now(store: &Store) -> Result<Vec<Shape>, StoreError> {
+    if store.encoding == TimeEncoding::Date {
+        return Ok(vec![Shape::Date]);
     }
+    Ok(Store::timed("shapes", read_shapes(store)).await?.0)
 }
 
 /// Whether a record of a shape not in `shapes` exists: a date when none is known, or an
