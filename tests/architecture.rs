@@ -361,3 +361,52 @@ fn no_two_files_of_one_folder_use_each_other() {
         "files of one folder that use each other: {circles:?}"
     );
 }
+
+/// Every background service has one shape: a file of its own in `maintenance/`, named for its
+/// role, with one `pub async fn run(.., shutdown: CancellationToken)` that returns nothing; and
+/// every task `timeoutd run` starts is some service's `run`, spawned under the supervisor.
+#[test]
+fn every_background_service_has_one_shape() {
+    let mut services = 0;
+    for file in files_of("maintenance") {
+        if file.ends_with("mod.rs") {
+            continue;
+        }
+        services += 1;
+        let text = std::fs::read_to_string(&file).expect("service file");
+        let code = code_outside_tests(&text);
+        let runs: Vec<_> = code.match_indices("pub async fn run(").collect();
+        assert_eq!(
+            runs.len(),
+            1,
+            "{}: one `pub async fn run(` per service",
+            file.display()
+        );
+        let signature = &code[runs[0].0..];
+        let signature = &signature[..signature.find('{').expect("a body")];
+        let params: String = signature.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            params.ends_with("shutdown: CancellationToken, )")
+                || params.ends_with("shutdown: CancellationToken)"),
+            "{}: `run` takes the shutdown token last and returns nothing: {params}",
+            file.display()
+        );
+    }
+    assert!(services >= 4, "the check found the services: {services}");
+    let daemon = std::fs::read_to_string(repo("src/cli/daemon.rs")).expect("daemon.rs");
+    let code = code_outside_tests(&daemon);
+    let spawns: Vec<&str> = code
+        .match_indices("tasks.spawn(")
+        .map(|(i, _)| {
+            let rest = &code[i..];
+            &rest[..rest.find(";\n").expect("a statement")]
+        })
+        .collect();
+    assert!(spawns.len() >= 6, "the check found the tasks: {spawns:?}");
+    for spawn in spawns {
+        assert!(
+            spawn.contains("run("),
+            "every task timeoutd run starts is a service's `run`: {spawn}"
+        );
+    }
+}

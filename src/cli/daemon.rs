@@ -6,12 +6,12 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::dispatch::{Dispatcher, Signals};
+use crate::maintenance::{controlwatch, monitor, reaper, wakeup};
 use crate::metrics as m;
 use crate::operator::control::ControlState;
 use crate::rabbit::publisher::Publisher;
@@ -20,15 +20,8 @@ use crate::service::supervisor::{Supervisor, TaskFailed};
 use crate::store::claim::ClaimPath;
 use crate::store::clock::ServerClock;
 use crate::store::pacing::Pacing;
-use crate::store::shapes::Shapes;
 use crate::store::{Store, StoreError};
-use crate::{dispatch::wakeup, maintenance::reaper, service::http, service::systemd};
-
-/// The shortest wait between two turns of the monitor, whatever asks for a sooner reading.
-const MONITOR_MIN_WAIT: Duration = Duration::from_millis(10);
-
-/// How often the server clock offset and the backlog gauges are refreshed.
-pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
+use crate::{service::http, service::systemd};
 
 /// How long after `shutdown_timeout` the daemon may take, in all, for the dispatch loop's
 /// releases, the HTTP endpoints and closing the MongoDB client: the exit after a SIGTERM is
@@ -239,18 +232,9 @@ async fn start(
         }
         Err(e) => tracing::warn!(error = %e, "could not check the MongoDB deployment's settings"),
     }
-    // Never waited for: dispatching starts with the indexes that exist while this task asks
-    // for the missing ones (a build on a large collection outlasts any deadline).
     tasks.spawn(
         "indexes",
-        ok({
-            let (store, shutdown) = (store.clone(), shutdown.clone());
-            async move {
-                crate::store::indexes::build(store, shutdown.clone()).await;
-                // Done: it ends with the others, at shutdown.
-                shutdown.cancelled().await;
-            }
-        }),
+        ok(crate::store::indexes::run(store.clone(), shutdown.clone())),
     );
     // The one learner of the `Time` shapes, for the claims and the monitor.
     let (learner, shapes) = crate::store::shapes::learner(&store);
@@ -259,7 +243,7 @@ async fn start(
     }
     tasks.spawn(
         "monitor",
-        ok(monitor(
+        ok(monitor::run(
             store.clone(),
             shapes.clone(),
             health.clone(),
@@ -278,18 +262,10 @@ async fn start(
     let history = match config.history.is_on() {
         true => {
             let (sink, rows) = crate::store::history::channel();
-            let (store, keep) = (store.clone(), config.history.keep);
-            // Its indexes (the TTL among them) are asked for here, never waited for by
-            // start-up, like timeoutd's other indexes.
+            let keep = config.history.keep;
             tasks.spawn(
                 "history",
-                ok(async move {
-                    let indexes = store.ensure_history_indexes(keep);
-                    if let Err(e) = store.bounded("create history indexes", indexes).await {
-                        tracing::warn!(error = %e, "could not create the history collection's indexes (its TTL among them); history rows are written but may not expire until a restart creates them");
-                    }
-                    crate::store::history::write(store, rows).await
-                }),
+                ok(crate::store::history::run(store.clone(), keep, rows)),
             );
             Some(sink)
         }
@@ -309,7 +285,7 @@ async fn start(
     let signals = Signals::default();
     tasks.spawn(
         "control",
-        ok(crate::maintenance::controlwatch::watch(
+        ok(controlwatch::run(
             store.clone(),
             control.clone(),
             config.dispatch.poll_interval,
@@ -353,18 +329,6 @@ async fn ok(task: impl std::future::Future<Output = ()>) -> Result<(), std::conv
     Ok(())
 }
 
-/// Re-reads the server clock; records the offset and whether MongoDB answered.
-async fn read_server_clock(store: &Store, health: &Health) -> Result<i64, StoreError> {
-    let result = store
-        .bounded("read the server clock", store.refresh_clock())
-        .await;
-    health.set_up(m::MONGODB, result.is_ok());
-    if let Ok(offset) = &result {
-        m::clock_offset(*offset);
-    }
-    result
-}
-
 /// Retries the first round trip to MongoDB with back-off. `false` if shutdown came first.
 async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &CancellationToken) -> bool {
     let mut pacing = Pacing::new(store.operation_timeout());
@@ -374,7 +338,7 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
         // what it should, and a restart would not bring MongoDB back. Liveness counts from the
         // attempt's deadline; an attempt that overran it would still turn /healthz 503.
         health.waiting(store.operation_timeout());
-        match read_server_clock(store, health).await {
+        match monitor::read_server_clock(store, health).await {
             Ok(offset) => {
                 tracing::info!(clock_offset_ms = offset, "MongoDB reachable");
                 // Start-up makes two more bounded calls (the deployment check, the pauses)
@@ -403,83 +367,6 @@ fn rate_limited(config: &Config) -> Vec<String> {
         .iter()
         .map(|l| l.name.clone())
         .collect()
-}
-
-/// Keeps the backlog gauges and the server clock estimate fresh, with one cheap set of
-/// queries every [`MONITOR_INTERVAL`], independent of the poll rate, and tells
-/// [`crate::service::progress`] which record is the oldest unclaimed one (reading again sooner while
-/// one is suspected of being left unclaimed). The reading depends on nothing the claim path
-/// keeps ([`crate::store::backlog`]). Each of its queries is bounded by `operation_timeout`, not the
-/// whole reading by one deadline: an outer deadline would drop the reading halfway on a slow
-/// database and leave the gauges stale. The clock was read just before this starts, so the
-/// first pass only reads the backlog.
-async fn monitor(
-    store: Store,
-    shapes: Shapes,
-    health: Arc<Health>,
-    rate_limited: Vec<String>,
-    shutdown: CancellationToken,
-) {
-    let parking = store.parking();
-    let mut clock_read = Instant::now();
-    // Each reading is paced on its own: after a failure it is skipped until its back-off has
-    // passed, after a timeout until the abandoned run has ended on the server.
-    let paced = || Pacing::new(store.operation_timeout());
-    let (mut backlog, mut clock) = (paced(), paced());
-    loop {
-        if backlog.ready() {
-            let at = Instant::now();
-            let reading = Store::timed("backlog", async {
-                let shapes = shapes.checked(MONITOR_INTERVAL)?;
-                tokio::try_join!(
-                    store.read_backlog(
-                        &shapes,
-                        crate::store::census::BACKLOG_COUNTED_UP_TO,
-                        &rate_limited
-                    ),
-                    store.bounded("count parked records", parking.count())
-                )
-            });
-            let reading = tokio::select! {
-                r = reading => r,
-                _ = shutdown.cancelled() => return,
-            };
-            backlog.record(&reading);
-            match reading {
-                Ok((r, parked)) => {
-                    m::backlog(r.due, r.oldest_due_age_seconds);
-                    m::paused_backlog(r.paused_due);
-                    m::parked_records(parked);
-                    let oldest = r.oldest_unclaimed.as_ref();
-                    let oldest = oldest.map(|(id, due)| (id, due.timestamp_millis()));
-                    health.progress().observed(at, oldest);
-                    m::due_unclaimed(health.progress().unclaimed_for());
-                }
-                Err(e) => tracing::debug!(error = %e, "backlog query failed"),
-            }
-        }
-        // Never sooner than the backlog query's pacing allows: a reading due now while a
-        // failed query waits out its back-off made this loop spin without a wait (found by
-        // the simulation, issue 25: seeds 42 and 65 hung a core, the clock never advancing).
-        let wait = health
-            .progress()
-            .next_reading_in()
-            .map_or(MONITOR_INTERVAL, |d| d.min(MONITOR_INTERVAL))
-            .max(backlog.next_at().saturating_duration_since(Instant::now()))
-            .max(MONITOR_MIN_WAIT);
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = shutdown.cancelled() => return,
-        }
-        if clock_read.elapsed() >= MONITOR_INTERVAL && clock.ready() {
-            clock_read = Instant::now();
-            let result = read_server_clock(&store, &health).await;
-            if let Err(e) = &result {
-                tracing::warn!(error = %e, "could not refresh the server clock offset");
-            }
-            clock.record(&result);
-        }
-    }
 }
 
 #[cfg(test)]

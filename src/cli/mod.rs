@@ -10,12 +10,14 @@
 //! unknown id, a malformed instant), 3 records under a live lease were left as they are.
 
 pub mod checkcli;
-pub mod clienv;
 pub mod controlcli;
 pub mod daemon;
+pub mod environment;
+pub mod healthcli;
 pub mod historycli;
 pub mod opscli;
 pub mod parkedcli;
+pub mod statscli;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,7 +42,7 @@ use crate::store::{Store, server_time_in};
 #[command(name = "timeoutd", version = crate::service::buildinfo::LONG_VERSION, about)]
 pub struct Cli {
     /// Config file [default: config/timeoutd.toml if it exists, else /etc/timeoutd/timeoutd.toml]
-    #[arg(long, global = true, value_name = "PATH", env = clienv::CONFIG_ENV)]
+    #[arg(long, global = true, value_name = "PATH", env = environment::CONFIG_ENV)]
     pub config: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
@@ -163,11 +165,11 @@ pub fn main(cli: Cli) -> ExitCode {
             clap_complete::generate(*shell, &mut command, "timeoutd", &mut std::io::stdout());
             return ExitCode::SUCCESS;
         }
-        Command::Man { dir } => return clienv::man(Cli::command(), dir.as_deref()),
+        Command::Man { dir } => return man(Cli::command(), dir.as_deref()),
         _ => {}
     }
     let daemon = matches!(cli.command, Command::Run);
-    let warnings = clienv::environment_warnings(std::env::vars_os());
+    let warnings = environment::environment_warnings(std::env::vars_os());
     if !daemon {
         for w in &warnings {
             eprintln!("timeoutd: warning: {w}");
@@ -181,9 +183,9 @@ pub fn main(cli: Cli) -> ExitCode {
         }
     };
     if let Command::Health { url, json } = &cli.command {
-        return clienv::probe_health(url.as_deref(), &config, *json);
+        return healthcli::probe_health(url.as_deref(), &config, *json);
     }
-    clienv::init_logging(&config, daemon);
+    environment::init_logging(&config, daemon);
     if daemon {
         for w in &warnings {
             tracing::warn!("{w}");
@@ -293,7 +295,7 @@ async fn execute(
         }
         Command::Stats { json } => {
             with_store(&config, async |s| {
-                crate::cli::controlcli::stats(s, json).await
+                crate::cli::statscli::stats(s, json).await
             })
             .await
         }
@@ -347,6 +349,22 @@ async fn execute(
                 crate::cli::controlcli::paused(s, json).await
             })
             .await
+        }
+    }
+}
+
+/// `timeoutd man`: the man page on stdout; with `dir`, `timeoutd.1` and one
+/// `timeoutd-COMMAND.1` per command written there.
+pub fn man(command: clap::Command, dir: Option<&std::path::Path>) -> ExitCode {
+    let written = match dir {
+        None => clap_mangen::Man::new(command).render(&mut std::io::stdout()),
+        Some(dir) => clap_mangen::generate_to(command, dir),
+    };
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("timeoutd: error: cannot write the man page: {e}");
+            ExitCode::FAILURE
         }
     }
 }

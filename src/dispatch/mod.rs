@@ -7,8 +7,7 @@
 //! - [`leased`]: the one type of a claimed record ([`leased::Leased`]) and the records waiting
 //!   for their instant; `settle`: the work that removes, releases, retries or parks them, in
 //!   one bounded queue; `control`: pauses, ramps, rate limits and refusing destinations.
-//! - [`ratelimit`]: send-rate limits; [`wakeup`]: wakes the loop for a record inserted due
-//!   soon; `summary`: each wave's info log line. RabbitMQ itself is [`crate::rabbit`].
+//! - [`ratelimit`]: send-rate limits; `summary`: each wave's info log line. RabbitMQ itself is [`crate::rabbit`].
 //!
 //! Nothing is deleted unless its publish was confirmed and its claim's lease still held; when
 //! in doubt a record is left for a later poll.
@@ -20,7 +19,6 @@ pub mod machine;
 pub mod ratelimit;
 mod settle;
 mod summary;
-pub mod wakeup;
 
 use std::sync::Arc;
 
@@ -40,7 +38,8 @@ pub enum DispatchError {
 /// makes them and hands each to the task that sends it.
 #[derive(Debug, Clone, Default)]
 pub struct Signals {
-    /// A record was inserted due within the look-ahead ([`wakeup`]).
+    /// A record was inserted due within the look-ahead (the insert watcher, a background
+    /// service beside the loop).
     pub inserted: Arc<Notify>,
     /// The pauses or ramps in force changed (the control watcher).
     pub control: Arc<Notify>,

@@ -26,7 +26,7 @@ const CONTROL: Followed = Followed {
 /// stream (where the server has one) reports a write, into `state`; logs each change and
 /// signals `changed` (the dispatch loop's control input, so it applies the change and claims
 /// at once).
-pub async fn watch(
+pub async fn run(
     store: Store,
     state: Arc<ControlState>,
     interval: Duration,

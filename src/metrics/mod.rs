@@ -86,6 +86,7 @@ pub const BACKGROUND_CALLS: &[&str] = &["backlog", "census", "reap", "shapes"];
 /// `timeoutd_task_failures_total{task}`: the daemon's supervised tasks.
 pub const TASKS: &[&str] = &[
     "dispatch", "reaper", "monitor", "wakeup", "http", "systemd", "control", "indexes", "history",
+    "shapes",
 ];
 /// `timeoutd_history_lost_total{reason}`.
 pub const HISTORY_LOST_REASONS: &[&str] = &["write_failed", "backlog"];

@@ -1,5 +1,5 @@
 //! Following a change stream, one policy for every follower (the insert wake-ups,
-//! [`crate::dispatch::wakeup`]; the control watcher, [`crate::maintenance::controlwatch`]):
+//! [`crate::maintenance::wakeup`]; the control watcher, [`crate::maintenance::controlwatch`]):
 //! open the stream under `[mongodb] operation_timeout` ([`Store::bounded`]), hand each event,
 //! and each loss of an open stream, to the caller, and after a failure or the stream's end open
 //! it again one [`REOPEN`] later (a failed open waits the longer of that and its [`Pacing`]

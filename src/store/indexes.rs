@@ -266,9 +266,17 @@ async fn estimated_count(coll: &Coll, limit: Duration) -> Result<u64, MongoError
     }
 }
 
-/// The start-up task: asks for timeoutd's indexes (and those of its parking, attempts and
-/// control collections) and watches them until every one exists, or until shutdown. Never
-/// fails: a build that fails is logged with its reason and asked for again later.
+/// The daemon's `indexes` task: [`build`], then nothing until shutdown. Never waited for:
+/// dispatching starts with the indexes that exist while this asks for the missing ones (a
+/// build on a large collection outlasts any deadline).
+pub async fn run(store: Store, shutdown: CancellationToken) {
+    build(store, shutdown.clone()).await;
+    shutdown.cancelled().await;
+}
+
+/// Asks for timeoutd's indexes (and those of its parking, attempts and control collections)
+/// and watches them until every one exists, or until shutdown. Never fails: a build that
+/// fails is logged with its reason and asked for again later.
 pub async fn build(store: Store, shutdown: CancellationToken) {
     let parking = store.parking();
     let own = async {

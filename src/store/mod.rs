@@ -414,7 +414,7 @@ impl Store {
         Ok(r.modified)
     }
 
-    /// A change stream of the inserts into the collection (for [`crate::dispatch::wakeup`]):
+    /// A change stream of the inserts into the collection (for [`crate::maintenance::wakeup`]):
     /// raw change events, the record under `fullDocument`.
     pub async fn watch_inserts(&self) -> Result<ChangeStream, StoreError> {
         Ok(self

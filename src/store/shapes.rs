@@ -18,8 +18,9 @@
 //! interval, and fails the reading otherwise: it never reports a count over shapes nobody
 //! could check. One-shot commands read the set once ([`Shapes::read_now`]).
 
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use bson::{Bson, Document, doc};
@@ -33,7 +34,7 @@ use crate::store::{Store, StoreError};
 
 /// How often the learner probes for records of a shape not yet known.
 pub const REFRESH: Duration = Duration::from_secs(2);
-/// How often the set is learned again while it is empty.
+/// How often, at most, the set is learned again at the claims' ask while it is empty.
 pub const REFRESH_WHILE_EMPTY: Duration = Duration::from_millis(200);
 /// How often the whole set is learned again.
 pub const FULL_REFRESH: Duration = Duration::from_secs(60);
@@ -52,7 +53,8 @@ pub struct Learned {
 pub enum Shapes {
     /// Read once, or known from the configuration (`time_encoding = "date"`).
     Fixed(Vec<Shape>),
-    Learned(watch::Receiver<Learned>),
+    /// The learner's, and how to ask it to look again while it knows none.
+    Learned(watch::Receiver<Learned>, Arc<Notify>),
 }
 
 impl Shapes {
@@ -61,14 +63,23 @@ impl Shapes {
         Ok(Self::Fixed(read_now(store).await?))
     }
 
-    /// The shapes to query now: the last published, after the first learn (waited for).
+    /// The shapes to query now: the last published, after the first learn (waited for). An
+    /// empty set asks the learner to look again (at most every [`REFRESH_WHILE_EMPTY`]): the
+    /// claims of an empty collection pace its learns, as a claim's wake-up for a record
+    /// inserted due soon finds it after one learn.
     pub async fn current(&self) -> Result<Vec<Shape>, StoreError> {
         match self {
             Shapes::Fixed(shapes) => Ok(shapes.clone()),
-            Shapes::Learned(rx) => match rx.clone().wait_for(|l| l.shapes.is_some()).await {
-                Ok(l) => Ok(l.shapes.clone().unwrap_or_default()),
-                Err(_) => Err(StoreError::ShapesUnchecked),
-            },
+            Shapes::Learned(rx, wanted) => {
+                let shapes = match rx.clone().wait_for(|l| l.shapes.is_some()).await {
+                    Ok(l) => l.shapes.clone().unwrap_or_default(),
+                    Err(_) => return Err(StoreError::ShapesUnchecked),
+                };
+                if shapes.is_empty() {
+                    wanted.notify_one();
+                }
+                Ok(shapes)
+            }
         }
     }
 
@@ -76,7 +87,7 @@ impl Shapes {
     pub fn checked(&self, within: Duration) -> Result<Vec<Shape>, StoreError> {
         match self {
             Shapes::Fixed(shapes) => Ok(shapes.clone()),
-            Shapes::Learned(rx) => {
+            Shapes::Learned(rx, _) => {
                 let l = rx.borrow();
                 match (&l.shapes, l.checked_at) {
                     (Some(shapes), Some(at)) if at.elapsed() <= within => Ok(shapes.clone()),
@@ -89,7 +100,7 @@ impl Shapes {
     /// Resolves when the learned set changes (never, for a fixed set): the claims that read
     /// nothing under the old set may find records now.
     pub async fn changed(&mut self) {
-        if let Shapes::Learned(rx) = self
+        if let Shapes::Learned(rx, _) = self
             && rx.changed().await.is_ok()
         {
             return;
@@ -103,6 +114,8 @@ impl Shapes {
 pub struct Learner {
     store: Store,
     tx: watch::Sender<Learned>,
+    /// A claim found no shape known: look again.
+    wanted: Arc<Notify>,
     /// Every `"Time.1"` value seen, servable or not: what the probe need not find again.
     offsets_seen: Vec<Bson>,
     learned_at: Option<Instant>,
@@ -115,37 +128,40 @@ pub fn learner(store: &Store) -> (Option<Learner>, Shapes) {
         return (None, Shapes::Fixed(vec![Shape::Date]));
     }
     let (tx, rx) = watch::channel(Learned::default());
+    let wanted = Arc::new(Notify::new());
     let learner = Learner {
         store: store.clone(),
         tx,
+        wanted: wanted.clone(),
         offsets_seen: Vec::new(),
         learned_at: None,
     };
-    (Some(learner), Shapes::Learned(rx))
+    (Some(learner), Shapes::Learned(rx, wanted))
 }
 
 impl Learner {
-    /// Until shutdown: learns the set, then probes every [`REFRESH`] (every
-    /// [`REFRESH_WHILE_EMPTY`] while the set is empty, so that the first records inserted
-    /// fire on time), learning again when a probe finds a new shape and every
-    /// [`FULL_REFRESH`] (to drop offsets no record holds any more). Failures are paced by
-    /// [`Pacing`], keeping the last set.
+    /// Until shutdown: learns the set, then probes every [`REFRESH`], learning again when a
+    /// probe finds a new shape and every [`FULL_REFRESH`] (to drop offsets no record holds
+    /// any more). While the set is empty, a claim's ask comes sooner (at most every
+    /// [`REFRESH_WHILE_EMPTY`]), so that the first records inserted fire on time. Failures
+    /// are paced by [`Pacing`], keeping the last set.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
             let result = self.refresh().await;
-            let wait = match pacing.record(&result) {
-                Some(wait) => {
-                    tracing::debug!(error = ?result.err(), ?wait, "could not refresh the Time shapes; keeping the last ones");
-                    wait
-                }
-                None if self.tx.borrow().shapes.as_ref().is_some_and(Vec::is_empty) => {
-                    REFRESH_WHILE_EMPTY
-                }
-                None => REFRESH,
+            let asked_after = Instant::now() + REFRESH_WHILE_EMPTY;
+            let wait = pacing.record(&result);
+            if let Some(wait) = wait {
+                tracing::debug!(error = ?result.err(), ?wait, "could not refresh the Time shapes; keeping the last ones");
+            }
+            let empty = self.tx.borrow().shapes.as_ref().is_some_and(Vec::is_empty);
+            let asked = async {
+                self.wanted.notified().await;
+                tokio::time::sleep_until(asked_after).await;
             };
             tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
+                _ = tokio::time::sleep(wait.unwrap_or(REFRESH)) => {}
+                _ = asked, if empty && wait.is_none() => {}
                 _ = shutdown.cancelled() => return,
             }
         }

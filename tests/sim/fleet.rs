@@ -986,7 +986,7 @@ async fn run_in(
     let deadline = healed_at + s.liveness_bound_ms();
     let tick = Duration::from_millis(s.knobs.poll_ms.max(100));
     let window_ms = (timeoutd::service::progress::stall_after(&config)
-        + 2 * timeoutd::cli::daemon::MONITOR_INTERVAL
+        + 2 * timeoutd::maintenance::monitor::MONITOR_INTERVAL
         + config.dispatch.poll_interval)
         .as_millis() as i64;
     let check_readiness = s.knobs.max_rate.is_none() && s.knobs.destination_rates.is_empty();

@@ -1,13 +1,11 @@
 //! What the command line takes from its surroundings besides its arguments: the environment
-//! variables it warns about (a `TIMEOUTD_*` name it ignores, an invalid `RUST_LOG`), the
-//! logging set-up, and `timeoutd health`, which needs neither.
+//! variables it warns about (a `TIMEOUTD_*` name it ignores, an invalid `RUST_LOG`), and the
+//! logging set-up.
 //!
 //! `TIMEOUTD_CONFIG` (the config file when `--config` is not given) is read by clap, see
 //! [`crate::cli::Cli`].
 
 use std::ffi::OsString;
-use std::process::ExitCode;
-use std::time::Duration;
 
 use crate::config::{Config, ENV_PREFIX, LogFormat};
 use crate::redact::RedactingWriter;
@@ -97,65 +95,6 @@ pub fn init_logging(config: &Config, daemon: bool) {
     match config.log.format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
-
-/// `timeoutd health`: one GET under a 5 s deadline, no async runtime, no logging. The verdict
-/// goes to stderr (stdout stays clean for `--json`, which prints it as an object); exit 0
-/// when healthy, 1 when not.
-pub fn probe_health(url: Option<&str>, config: &Config, json: bool) -> ExitCode {
-    let url = url.map(str::to_string).unwrap_or_else(|| {
-        let mut addr = config.http.listen;
-        if addr.ip().is_unspecified() {
-            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        format!("http://{addr}/healthz")
-    });
-    let agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(5)))
-        .http_status_as_error(false)
-        .build()
-        .new_agent();
-    let (healthy, status, problem) = match agent.get(&url).call() {
-        Ok(r) if r.status().is_success() => (true, Some(r.status().as_u16()), None),
-        Ok(r) => (
-            false,
-            Some(r.status().as_u16()),
-            Some(r.status().to_string()),
-        ),
-        Err(e) => (false, None, Some(e.to_string())),
-    };
-    if json {
-        let shown = serde_json::json!({
-            "healthy": healthy, "url": url, "status": status, "error": problem,
-        });
-        println!("{shown}");
-    }
-    match problem {
-        None => {
-            eprintln!("healthy ({url})");
-            ExitCode::SUCCESS
-        }
-        Some(problem) => {
-            eprintln!("unhealthy: {problem} ({url})");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `timeoutd man`: the man page on stdout; with `dir`, `timeoutd.1` and one
-/// `timeoutd-COMMAND.1` per command written there.
-pub fn man(command: clap::Command, dir: Option<&std::path::Path>) -> ExitCode {
-    let written = match dir {
-        None => clap_mangen::Man::new(command).render(&mut std::io::stdout()),
-        Some(dir) => clap_mangen::generate_to(command, dir),
-    };
-    match written {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("timeoutd: error: cannot write the man page: {e}");
-            ExitCode::FAILURE
-        }
     }
 }
 
