@@ -145,10 +145,18 @@ async fn kill_9_in_the_middle_of_a_batch_then_restart() {
         .filter(|(_, (o, _))| !survivors.contains(o))
         .map(|(id, (o, _))| (id, o))
         .collect();
+    // a logs each claim once its take has read back what the lease holds: a claim in flight
+    // at the kill (its compare-and-swap applied, its read-back not yet in) was never logged.
+    // An instance has one claim in flight at a time, so at most one such owner.
     let a_owners = a.owners();
+    let unlogged: BTreeSet<&Uuid> = orphaned
+        .iter()
+        .map(|(_, o)| *o)
+        .filter(|o| !a_owners.contains(o))
+        .collect();
     assert!(
-        orphaned.iter().all(|(_, o)| a_owners.contains(o)),
-        "the records no survivor claimed were a's"
+        unlogged.len() <= 1,
+        "the records no survivor claimed were a's: its logged claims and at most the one in flight at the kill; unlogged owners {unlogged:?}"
     );
     let killed_held: BTreeSet<String> = orphaned
         .into_iter()

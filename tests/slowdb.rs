@@ -126,9 +126,10 @@ async fn the_exit_after_sigterm_meets_shutdown_timeout_plus_five_seconds() {
 }
 
 /// The most calls one idle instance may have running on the server at once: one per task
-/// that calls MongoDB while nothing is due (the dispatch loop's claim, the reaper, the
-/// monitor, the control watcher, the insert watcher; the index task has finished), each paced
-/// so that it never starts while its previous run may still run.
+/// that calls MongoDB while nothing is due (the shape learner, which the claims of an empty
+/// collection wait for, the reaper, the monitor, the control watcher, the insert watcher; the
+/// index task has finished), each paced so that it never starts while its previous run may
+/// still run.
 const CALLS_BOUND: f64 = 5.0;
 
 /// The server answers nothing (every reply held back), so every call times out: the calls

@@ -62,8 +62,8 @@ pub enum StoreError {
     Deadline(#[from] crate::deadline::Elapsed),
     #[error("a MongoDB call panicked: {0}")]
     Panicked(String),
-    #[error("the Time shapes of the timeouts collection were not checked recently")]
-    ShapesUnchecked,
+    #[error("the Time shapes of the timeouts collection could not be checked: {0}")]
+    ShapesUnchecked(String),
 }
 
 /// A handle on the `Timeouts` collection; cheap to clone.

@@ -40,13 +40,16 @@ pub const REFRESH_WHILE_EMPTY: Duration = Duration::from_millis(200);
 /// How often the whole set is learned again.
 pub const FULL_REFRESH: Duration = Duration::from_secs(60);
 
-/// What the learner last published.
+/// What the learner last published, after each try.
 #[derive(Debug, Clone, Default)]
 pub struct Learned {
     /// `None` until the first learn succeeded.
     shapes: Option<Vec<Shape>>,
     /// When a probe or a learn last succeeded.
     checked_at: Option<Instant>,
+    /// How many tries ended, and why the last failed.
+    tries: u64,
+    failed: Option<String>,
 }
 
 /// The `Time` shapes to query: the learner's, or a set read once. Cheap to clone.
@@ -54,8 +57,13 @@ pub struct Learned {
 pub enum Shapes {
     /// Read once, or known from the configuration (`time_encoding = "date"`).
     Fixed(Vec<Shape>),
-    /// The learner's, and how to ask it to look again while it knows none.
-    Learned(watch::Receiver<Learned>, Arc<Notify>),
+    Learned {
+        rx: watch::Receiver<Learned>,
+        /// Asks the learner to look again (while it knows none).
+        wanted: Arc<Notify>,
+        /// The set [`Shapes::changed`] last saw.
+        seen: Option<Vec<Shape>>,
+    },
 }
 
 impl Shapes {
@@ -64,23 +72,39 @@ impl Shapes {
         Ok(Self::Fixed(read_now(store).await?))
     }
 
-    /// The shapes to query now: the last published, after the first learn (waited for). An
-    /// empty set asks the learner to look again (at most every [`REFRESH_WHILE_EMPTY`]): the
-    /// claims of an empty collection pace its learns, as a claim's wake-up for a record
-    /// inserted due soon finds it after one learn.
+    /// The shapes to query now: the last published, after the first learn (waited for).
+    /// While none is known (an empty collection), the claim asks the learner to look again
+    /// and waits for that try (the learner takes an ask at most every
+    /// [`REFRESH_WHILE_EMPTY`]): a wake-up for a record inserted due soon finds it at once,
+    /// and a database that does not answer fails the claim, as every claim's query would.
     pub async fn current(&self) -> Result<Vec<Shape>, StoreError> {
+        let Shapes::Learned { rx, wanted, .. } = self else {
+            return Ok(self.fixed());
+        };
+        let mut rx = rx.clone();
+        let unchecked = |_| StoreError::ShapesUnchecked("the shape learner stopped".into());
+        let (shapes, tries) = {
+            let l = rx
+                .wait_for(|l| l.shapes.is_some())
+                .await
+                .map_err(unchecked)?;
+            (l.shapes.clone().unwrap_or_default(), l.tries)
+        };
+        if !shapes.is_empty() {
+            return Ok(shapes);
+        }
+        wanted.notify_one();
+        let l = rx.wait_for(|l| l.tries > tries).await.map_err(unchecked)?;
+        match &l.failed {
+            Some(why) => Err(StoreError::ShapesUnchecked(why.clone())),
+            None => Ok(l.shapes.clone().unwrap_or_default()),
+        }
+    }
+
+    fn fixed(&self) -> Vec<Shape> {
         match self {
-            Shapes::Fixed(shapes) => Ok(shapes.clone()),
-            Shapes::Learned(rx, wanted) => {
-                let shapes = match rx.clone().wait_for(|l| l.shapes.is_some()).await {
-                    Ok(l) => l.shapes.clone().unwrap_or_default(),
-                    Err(_) => return Err(StoreError::ShapesUnchecked),
-                };
-                if shapes.is_empty() {
-                    wanted.notify_one();
-                }
-                Ok(shapes)
-            }
+            Shapes::Fixed(shapes) => shapes.clone(),
+            Shapes::Learned { .. } => Vec::new(),
         }
     }
 
@@ -88,23 +112,33 @@ impl Shapes {
     pub fn checked(&self, within: Duration) -> Result<Vec<Shape>, StoreError> {
         match self {
             Shapes::Fixed(shapes) => Ok(shapes.clone()),
-            Shapes::Learned(rx, _) => {
+            Shapes::Learned { rx, .. } => {
                 let l = rx.borrow();
                 match (&l.shapes, l.checked_at) {
                     (Some(shapes), Some(at)) if at.elapsed() <= within => Ok(shapes.clone()),
-                    _ => Err(StoreError::ShapesUnchecked),
+                    _ => Err(StoreError::ShapesUnchecked(format!(
+                        "no probe succeeded within {within:?}"
+                    ))),
                 }
             }
         }
     }
 
-    /// Resolves when the learned set changes (never, for a fixed set): the claims that read
-    /// nothing under the old set may find records now.
+    /// Resolves when the learned set differs from the one this last saw (never, for a
+    /// fixed set): the claims that read nothing under the old set may find records now.
+    /// Cancel-safe: a change while no one waits is seen at the next call.
     pub async fn changed(&mut self) {
-        if let Shapes::Learned(rx, _) = self
-            && rx.changed().await.is_ok()
-        {
-            return;
+        if let Shapes::Learned { rx, seen, .. } = self {
+            loop {
+                let now = rx.borrow_and_update().shapes.clone();
+                if now != *seen {
+                    *seen = now;
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
         }
         std::future::pending().await
     }
@@ -137,7 +171,12 @@ pub fn learner(store: &Store) -> (Option<Learner>, Shapes) {
         offsets_seen: Vec::new(),
         learned_at: None,
     };
-    (Some(learner), Shapes::Learned(rx, wanted))
+    let shapes = Shapes::Learned {
+        rx,
+        wanted,
+        seen: None,
+    };
+    (Some(learner), shapes)
 }
 
 impl Learner {
@@ -150,6 +189,11 @@ impl Learner {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
             let result = self.refresh().await;
+            let failed = result.as_ref().err().map(ToString::to_string);
+            self.tx.send_modify(|l| {
+                l.tries += 1;
+                l.failed = failed;
+            });
             let asked_after = Instant::now() + REFRESH_WHILE_EMPTY;
             let wait = pacing.record(&result);
             if let Some(wait) = wait {
@@ -169,7 +213,7 @@ impl Learner {
     }
 
     /// Learns the set again when it is older than [`FULL_REFRESH`] or a probe finds a record
-    /// of a shape not in it, and publishes it.
+    /// of a shape not in it, and keeps it where readers see it.
     async fn refresh(&mut self) -> Result<(), StoreError> {
         let known = self.tx.borrow().shapes.clone();
         let learn = match (known, self.learned_at) {
