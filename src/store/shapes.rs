@@ -14,10 +14,11 @@
 //!
 //! One learner, run as a task of its own ([`Learner::run`], the daemon's `shapes` task): it
 //! publishes what it learned, and the claim path and the monitor read that ([`Shapes`]). The
-//! claim path waits only for the first learn, and is woken when the set changes. The monitor
-//! ([`crate::store::backlog`]) takes the set only if a probe checked it within its own
-//! interval, and fails the reading otherwise: it never reports a count over shapes nobody
-//! could check. One-shot commands read the set once ([`Shapes::read_now`]).
+//! claim path waits for the first learn, and while the set is empty for a try it asks for (so
+//! an idle instance's claims still meet a database that does not answer); it is woken when
+//! the set changes. The monitor ([`crate::store::backlog`]) takes the set only if a probe
+//! checked it within its own interval, and fails the reading otherwise: it never reports a
+//! count over shapes nobody could check. One-shot commands read the set once ([`Shapes::read_now`]).
 
 use std::sync::Arc;
 use std::time::Duration;
