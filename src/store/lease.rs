@@ -162,7 +162,7 @@ pub fn all_of<const N: usize>(clauses: [Document; N]) -> Document {
 /// matches and is skipped. A row whose `Time` changed since (rescheduled, by `timeoutd
 /// reschedule` or a ServiceConnect writer) is taken if it is still due by the horizon: the
 /// claim reads back what it took and schedules each record by the `Time` read back
-/// ([`crate::store::Store::take`]), never by the one read before.
+/// ([`crate::store::claim::ClaimPath::take`]), never by the one read before.
 pub fn claim_filter(
     now: DateTime,
     horizon: DateTime,
