@@ -358,6 +358,99 @@ async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use futures::future::BoxFuture;
+
+    use crate::config::MongoConfig;
+    use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply};
+    use crate::store::clock::ServerClock;
+
+    /// A timeouts collection of `[ticks, offset]` records at `offsets` (none: empty), or a
+    /// server that fails every call while `down`.
+    #[derive(Debug, Default)]
+    struct Offsets {
+        offsets: Mutex<Vec<Bson>>,
+        down: AtomicBool,
+    }
+
+    impl Backend for Offsets {
+        fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+            let offsets = self
+                .offsets
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let reply = match op {
+                _ if self.down.load(Ordering::SeqCst) => Err(MongoError::from(
+                    std::io::Error::from(std::io::ErrorKind::ConnectionReset),
+                )),
+                Op::Distinct { .. } => Ok(Reply::Values(offsets)),
+                // The probe for an offset not seen finds a record when there is one.
+                Op::Find { filter, .. } if filter.contains_key(field::TIME_OFFSET) => Ok(
+                    Reply::Docs(offsets.iter().map(|_| doc! { "_id": 1 }).take(1).collect()),
+                ),
+                _ => Ok(Reply::Docs(Vec::new())),
+            };
+            Box::pin(async move { reply })
+        }
+
+        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+            Box::pin(async { Ok(doc! { "ok": 1 }) })
+        }
+
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+            Box::pin(async {
+                Err(crate::store::backend::command_error(
+                    40573,
+                    "Location40573",
+                    "none",
+                ))
+            })
+        }
+
+        fn shutdown(&self) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    /// While no shape is known, a claim waits for a try of the learner's and fails with it:
+    /// an idle instance's claims meet a database that does not answer (they read nothing
+    /// without a call before, and readiness never saw a stalled database). Once a record is
+    /// there, the next try finds its shape.
+    #[tokio::test(start_paused = true)]
+    async fn while_no_shape_is_known_a_claim_waits_for_a_try_and_fails_with_it() {
+        let backend = Arc::new(Offsets::default());
+        let config = MongoConfig::default();
+        let store = Store::with_backend(backend.clone(), &config, ServerClock::default());
+        let (learner, shapes) = learner(&store);
+        let stop = CancellationToken::new();
+        let task = crate::host::spawn(learner.expect("auto learns").run(stop.clone()));
+        assert_eq!(shapes.current().await.expect("an empty collection"), vec![]);
+
+        backend.down.store(true, Ordering::SeqCst);
+        let failed = shapes.current().await;
+        assert!(
+            matches!(failed, Err(StoreError::ShapesUnchecked(_))),
+            "{failed:?}"
+        );
+
+        backend.down.store(false, Ordering::SeqCst);
+        *backend.offsets.lock().unwrap() = vec![Bson::Int32(0)];
+        let mut found = shapes.current().await.expect("answers again");
+        if found.is_empty() {
+            // The try that answered had begun before the record was there.
+            found = shapes.current().await.expect("answers");
+        }
+        assert_eq!(found, vec![Shape::Ticks(0)]);
+        stop.cancel();
+        task.await.expect("the learner ends at shutdown");
+    }
 
     #[test]
     fn the_probe_asks_for_every_quarter_hour_offset_not_seen() {
