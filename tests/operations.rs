@@ -237,6 +237,7 @@ impl NotifySocket {
     }
 
     /// How many datagrams containing `line` arrive within `within`.
+    #[cfg(feature = "failpoints")]
     async fn count(&self, line: &str, within: Duration) -> usize {
         let mut buf = vec![0u8; 4096];
         let deadline = tokio::time::Instant::now() + within;

@@ -79,10 +79,10 @@ impl Shapes {
     /// [`REFRESH_WHILE_EMPTY`]): a wake-up for a record inserted due soon finds it at once,
     /// and a database that does not answer fails the claim, as every claim's query would.
     pub async fn current(&self) -> Result<Vec<Shape>, StoreError> {
-        let Shapes::Learned { rx, wanted, .. } = self else {
-            return Ok(self.fixed());
+        let (mut rx, wanted) = match self {
+            Shapes::Fixed(shapes) => return Ok(shapes.clone()),
+            Shapes::Learned { rx, wanted, .. } => (rx.clone(), wanted),
         };
-        let mut rx = rx.clone();
         let unchecked = |_| StoreError::ShapesUnchecked("the shape learner stopped".into());
         let (shapes, tries) = {
             let l = rx
@@ -99,13 +99,6 @@ impl Shapes {
         match &l.failed {
             Some(why) => Err(StoreError::ShapesUnchecked(why.clone())),
             None => Ok(l.shapes.clone().unwrap_or_default()),
-        }
-    }
-
-    fn fixed(&self) -> Vec<Shape> {
-        match self {
-            Shapes::Fixed(shapes) => shapes.clone(),
-            Shapes::Learned { .. } => Vec::new(),
         }
     }
 
@@ -190,10 +183,19 @@ impl Learner {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
             let result = self.refresh().await;
-            let failed = result.as_ref().err().map(ToString::to_string);
+            // Published once a try: what it learned, that it checked, or why it failed.
             self.tx.send_modify(|l| {
                 l.tries += 1;
-                l.failed = failed;
+                l.failed = result.as_ref().err().map(ToString::to_string);
+                if let Ok(learned) = &result {
+                    l.checked_at = Some(Instant::now());
+                    if let Some(shapes) = learned
+                        && l.shapes.as_ref() != Some(shapes)
+                    {
+                        tracing::debug!(shapes = ?shapes, "Time shapes in the timeouts collection");
+                        l.shapes = Some(shapes.clone());
+                    }
+                }
             });
             let asked_after = Instant::now() + REFRESH_WHILE_EMPTY;
             let wait = pacing.record(&result);
@@ -214,8 +216,8 @@ impl Learner {
     }
 
     /// Learns the set again when it is older than [`FULL_REFRESH`] or a probe finds a record
-    /// of a shape not in it, and keeps it where readers see it.
-    async fn refresh(&mut self) -> Result<(), StoreError> {
+    /// of a shape not in it; returns it when it did.
+    async fn refresh(&mut self) -> Result<Option<Vec<Shape>>, StoreError> {
         let known = self.tx.borrow().shapes.clone();
         let learn = match (known, self.learned_at) {
             (Some(shapes), Some(at)) if at.elapsed() < FULL_REFRESH => {
@@ -224,24 +226,13 @@ impl Learner {
             }
             _ => true,
         };
-        let now = Instant::now();
         if !learn {
-            self.tx.send_modify(|l| l.checked_at = Some(now));
-            return Ok(());
+            return Ok(None);
         }
         let (shapes, seen) = Store::timed("shapes", read_shapes(&self.store)).await?;
         self.offsets_seen = seen;
-        self.learned_at = Some(now);
-        self.tx.send_if_modified(|l| {
-            l.checked_at = Some(now);
-            if l.shapes.as_ref() == Some(&shapes) {
-                return false;
-            }
-            tracing::debug!(shapes = ?shapes, "Time shapes in the timeouts collection");
-            l.shapes = Some(shapes);
-            true
-        });
-        Ok(())
+        self.learned_at = Some(Instant::now());
+        Ok(Some(shapes))
     }
 }
 
