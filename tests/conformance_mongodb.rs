@@ -590,25 +590,10 @@ async fn numbers_are_equal_across_int_long_and_double() {
     }
     let docs = s.insert_each(COLL, docs).await;
     compare_queries(&s, COLL, now(), "numbers").await;
-    // The claim's compare-and-swap matches `Time` by equality on the value as read: read as
-    // [long, int], matched against [double, long].
-    let candidates: Vec<(Bson, Bson)> = docs
+    // The claim's compare-and-swap over every numeric form: `_id`s as read, `Time` by range.
+    let candidates: Vec<Bson> = docs
         .iter()
-        .map(|d| {
-            let time = match d.get("Time") {
-                Some(Bson::Array(a)) => Bson::Array(
-                    a.iter()
-                        .map(|v| match v {
-                            Bson::Int64(x) => Bson::Double(*x as f64),
-                            Bson::Int32(x) => Bson::Int64(i64::from(*x)),
-                            other => other.clone(),
-                        })
-                        .collect(),
-                ),
-                other => other.cloned().unwrap_or(Bson::Null),
-            };
-            (d.get("_id").cloned().unwrap_or(Bson::Null), time)
-        })
+        .map(|d| d.get("_id").cloned().unwrap_or(Bson::Null))
         .collect();
     let filter = lease::claim_filter(
         now(),
@@ -803,14 +788,9 @@ async fn every_write_the_store_makes_counts_alike() {
         Some(Reply::Docs(d)) => d,
         other => panic!("{other:?}"),
     };
-    let candidates: Vec<(Bson, Bson)> = read
+    let candidates: Vec<Bson> = read
         .iter()
-        .map(|d| {
-            (
-                d.get("_id").cloned().unwrap_or(Bson::Null),
-                d.get("Time").cloned().unwrap_or(Bson::Null),
-            )
-        })
+        .map(|d| d.get("_id").cloned().unwrap_or(Bson::Null))
         .collect();
     let lease = Lease {
         owner: seeded_uuid(700),
@@ -824,7 +804,7 @@ async fn every_write_the_store_makes_counts_alike() {
     };
     step("claim", claim.clone()).await;
     step("claim again takes nothing", claim).await;
-    let held: Vec<Bson> = candidates.iter().map(|(id, _)| id.clone()).collect();
+    let held: Vec<Bson> = candidates.clone();
     step(
         "read back",
         find(lease::held_many(&held, lease.owner, now())),

@@ -130,21 +130,60 @@ async fn a_take_dropped_after_its_claim_frees_what_it_leased() {
 
 /// Finding 5: candidates read, then rescheduled (by `timeoutd reschedule`, and by a writer
 /// that sets `Time` itself) before the take, within the look-ahead. Each is scheduled by its
-/// new `Time`, never the one read: since issue 26 the take leases them and reads them back as
-/// they are then (before, it left them for the next claim). Both shapes of `Time`.
+/// new `Time`, never the one read. Both shapes of `Time`.
+///
+/// When one candidate was not yet due as read, the take leases them all and reads them back
+/// as they are then (issue 26; before, it left them for the next claim).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_rescheduled_after_its_claim_read_it_is_taken_at_its_new_time() {
+    let per_claim = rescheduled_between_read_and_take(true).await;
+    assert_eq!(per_claim, [4], "one claim takes them all");
+}
+
+/// When every candidate was due as read, the take needs no read-back: it takes only what is
+/// due at its own instant, so the records moved into the future are left free for the next
+/// claim (the first says there is more), which takes them at their new `Time`. Fails if the
+/// take keeps the read's horizon: the moved records are then sent at the `Time` read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_rescheduled_after_a_read_of_due_records_is_left_for_the_next_claim() {
+    let per_claim = rescheduled_between_read_and_take(false).await;
+    assert_eq!(
+        per_claim,
+        [1, 2],
+        "the moved records wait for a claim of their own"
+    );
+}
+
+/// Three records due, and one not yet due when `not_yet_due`; the candidates read; two of
+/// them moved 30 s on; then claims until all are taken. Checks each was taken at its `Time`
+/// as it is now, and returns how many records each claim that took any took.
+async fn rescheduled_between_read_and_take(not_yet_due: bool) -> Vec<usize> {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new().await;
     let store = store_for(&env, Duration::from_secs(5)).await;
-    let (dated, offset, unchanged) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let (dated, offset, unchanged, later) = (
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+    );
     let due = in_ms(-10);
-    env.insert(vec![
+    let later_due = in_ms(60_000);
+    let mut records = vec![
         public_record(dated, &env.queue, Uuid::new_v4(), due),
         offset_record(offset, &env.queue, Uuid::new_v4(), due, 60),
         v7_record(unchanged, &env.queue, Uuid::new_v4(), due, doc! {}),
-    ])
-    .await;
+    ];
+    if not_yet_due {
+        records.push(v7_record(
+            later,
+            &env.queue,
+            Uuid::new_v4(),
+            later_due,
+            doc! {},
+        ));
+    }
+    env.insert(records).await;
     let look_ahead = Duration::from_secs(120);
     let claims = ClaimPath::new(store.clone(), Shapes::read_now(&store).await.unwrap());
     let candidates = claims
@@ -171,27 +210,49 @@ async fn a_record_rescheduled_after_its_claim_read_it_is_taken_at_its_new_time()
         .await
         .expect("move the offset record");
 
-    let claim = claims
+    let mut taken: HashMap<Uuid, i64> = HashMap::new();
+    let mut per_claim = Vec::new();
+    let mut claim = claims
         .take(candidates, Duration::from_secs(300))
         .await
         .expect("take");
-    let taken: HashMap<Uuid, i64> = claim
-        .rows
-        .iter()
-        .map(|r| {
-            let record = r.record.as_ref().expect("decodes");
-            (record.id, record.due.timestamp_millis())
-        })
-        .collect();
+    loop {
+        per_claim.push(claim.rows.len());
+        for row in &claim.rows {
+            let record = row.record.as_ref().expect("decodes");
+            assert!(
+                taken
+                    .insert(record.id, record.due.timestamp_millis())
+                    .is_none(),
+                "taken twice"
+            );
+        }
+        if !claim.more || per_claim.len() > 3 {
+            break;
+        }
+        let candidates = claims
+            .candidates(100, look_ahead, &[])
+            .await
+            .expect("candidates");
+        claim = claims
+            .take(candidates, Duration::from_secs(300))
+            .await
+            .expect("take");
+    }
     let new_due = due.timestamp_millis() + 30_000;
+    let mut expected = HashMap::from([
+        (dated, new_due),
+        (offset, new_due),
+        (unchanged, due.timestamp_millis()),
+    ]);
+    if not_yet_due {
+        expected.insert(later, later_due.timestamp_millis());
+    }
     assert_eq!(
-        taken,
-        HashMap::from([
-            (dated, new_due),
-            (offset, new_due),
-            (unchanged, due.timestamp_millis())
-        ]),
+        taken, expected,
         "each taken at its Time as it is now, not as the claim read it"
     );
     env.cleanup().await;
+    per_claim.retain(|n| *n > 0);
+    per_claim
 }

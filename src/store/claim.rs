@@ -1,6 +1,13 @@
 //! The claim: steps 1 to 6 of the lease protocol. Reads the due records of each `Time` shape
 //! present (one index range each, see [`crate::record::due`]), merges them by true instant, takes
 //! them with the compare-and-swap `updateMany`, and reads back what a racing instance left.
+//!
+//! The read-back (step 5) is skipped when it would tell nothing: every candidate was due when
+//! read, the take restricted itself to records due at its own instant, and it took them all.
+//! Those records are then the documents read, under this lease, and all are sent at once. The
+//! benchmark's drain of 50,000 records on SecantusDB went from 0.51x to 0.58x of the database
+//! write floor measured in the same run without it (the server's one core is the limit there,
+//! and the read-back was a second read of every record).
 
 use std::future::IntoFuture;
 use std::time::Duration;
@@ -43,8 +50,11 @@ pub struct Candidates {
     horizon: DateTime,
     shapes: Vec<crate::record::due::Shape>,
     excluded: Vec<String>,
-    /// Each candidate's `_id` and its `Time` as read.
-    ids: Vec<(Bson, Bson)>,
+    /// Each candidate's `_id`, and the document as read.
+    found: Vec<(Bson, Document)>,
+    /// Every candidate was due when read: the take can restrict itself to records due at its
+    /// own instant, and then needs no read-back when it takes them all.
+    all_due: bool,
     /// The read saw more claimable records than it returned.
     more: bool,
 }
@@ -57,20 +67,21 @@ impl Candidates {
             horizon: DateTime::MAX,
             shapes: Vec::new(),
             excluded: Vec::new(),
-            ids: ids.into_iter().map(|id| (id, Bson::Null)).collect(),
+            found: ids.into_iter().map(|id| (id, Document::new())).collect(),
+            all_due: false,
             more: false,
         }
     }
 
     /// Whether the read found nothing to take.
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.found.is_empty()
     }
 
     /// Whether more may be claimable once these are given up: the read saw more than it
     /// returned, or returned any.
     pub fn more(&self) -> bool {
-        self.more || !self.ids.is_empty()
+        self.more || !self.found.is_empty()
     }
 }
 
@@ -229,41 +240,44 @@ impl ClaimPath {
                 .limit(i64::from(batch_size))
                 .max_time(self.store.server_limit())
         });
-        let mut found: Vec<(DateTime, Document)> = Vec::new();
+        // Each record with its due instant, when its `Time` decodes. A record the decoder
+        // rejects still joins the batch (to be parked), at the end of the range it matched.
+        let mut found: Vec<(Option<DateTime>, Document)> = Vec::new();
         for docs in Store::timed(
             "find",
             futures::future::try_join_all(reads.map(IntoFuture::into_future)),
         )
         .await?
         {
-            found.extend(docs.into_iter().map(|d| {
-                // A record the decoder rejects still joins the batch (to be parked), at the
-                // end of the range it matched.
-                let due = TimeoutRecord::decode_due(&d, store.encoding).unwrap_or(range.to);
-                (due, d)
-            }));
+            found.extend(
+                docs.into_iter()
+                    .map(|d| (TimeoutRecord::decode_due(&d, store.encoding), d)),
+            );
         }
-        found.sort_by_key(|(due, _)| due.timestamp_millis());
+        found.sort_by_key(|(due, _)| due.unwrap_or(range.to).timestamp_millis());
         found.truncate(batch_size as usize);
-        let dues: Vec<DateTime> = found.iter().map(|(due, _)| *due).collect();
+        let dues: Vec<DateTime> = found
+            .iter()
+            .map(|(due, _)| due.unwrap_or(range.to))
+            .collect();
         self.head
             .update(excluded, from, now, dues.first().copied(), range.to);
         let more = self
             .window
             .update(&range, &dues, found.len() >= batch_size as usize);
-        let ids = found
+        let all_due = found
             .iter()
-            .map(|(_, d)| d)
-            .filter_map(|d| {
-                let time = d.get(field::TIME).cloned().unwrap_or(Bson::Null);
-                d.get(field::ID).cloned().map(|id| (id, time))
-            })
+            .all(|(due, _)| due.is_some_and(|due| due <= now));
+        let found = found
+            .into_iter()
+            .filter_map(|(_, d)| d.get(field::ID).cloned().map(|id| (id, d)))
             .collect();
         Ok(Candidates {
             horizon: range.to,
             shapes,
             excluded: excluded.to_vec(),
-            ids,
+            found,
+            all_due,
             more,
         })
     }
@@ -280,14 +294,15 @@ impl ClaimPath {
             horizon,
             shapes,
             excluded,
-            ids: as_read,
+            found,
+            all_due,
             more: windowed_more,
         } = candidates;
-        let found_count = as_read.len();
+        let found_count = found.len();
         let store = &self.store;
         let now = store.clock.now();
         let lease = Lease::new(now, lease_len);
-        if as_read.is_empty() {
+        if found.is_empty() {
             return Ok(Claim {
                 lease,
                 rows: Vec::new(),
@@ -295,7 +310,12 @@ impl ClaimPath {
                 read: 0,
             });
         }
-        let candidates: Vec<Bson> = as_read.iter().map(|(id, _)| id.clone()).collect();
+        let candidates: Vec<Bson> = found.iter().map(|(id, _)| id.clone()).collect();
+        // Every candidate was due when read: take only what is due now, so that a record
+        // rescheduled since the read is taken only if it is still due, and is sent now
+        // either way, as its `Time` says. All taken then means all as read, but for their
+        // `Time` and lease: no read-back.
+        let horizon = if all_due { now } else { horizon };
         // From here until the rows are handed over, records may be leased to this owner: if
         // this future is dropped (its caller's deadline) or fails, they are freed at once.
         let mut unclaimed = Unclaimed::new(store, &candidates, lease.owner);
@@ -305,7 +325,7 @@ impl ClaimPath {
                 .coll
                 .update_many(
                     lease::except(
-                        lease::claim_filter(now, horizon, &shapes, &as_read),
+                        lease::claim_filter(now, horizon, &shapes, &candidates),
                         &excluded,
                     ),
                     lease::claim_update(&lease, store.uuids),
@@ -327,6 +347,9 @@ impl ClaimPath {
         }
         let rows = match taken {
             Ok(r) if r.modified == 0 => Ok(Vec::new()),
+            Ok(r) if all_due && r.modified == found_count as u64 => {
+                Ok(self.as_leased(found, &lease))
+            }
             // Read back what this lease holds, as it is now: a racing instance may have taken
             // some, and a record rescheduled since the read is sent by its new `Time`.
             Ok(_) => Store::timed("read_back", self.read_back(&candidates, &lease)).await,
@@ -345,6 +368,20 @@ impl ClaimPath {
             // Between the update and the read-back: what we may hold is freed (`unclaimed`).
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The candidates as read, every one of them taken under `lease`: as the read-back would
+    /// return them, but for a `Time` rescheduled since the read to another instant that is
+    /// also due (which changes nothing of what is sent, nor when).
+    fn as_leased(&self, found: Vec<(Bson, Document)>, lease: &Lease) -> Vec<ClaimedRow> {
+        let leased = lease::leased_fields(lease, self.store.uuids);
+        found
+            .into_iter()
+            .map(|(_, mut raw)| {
+                raw.extend(leased.clone());
+                ClaimedRow::read(raw, self.store.decoding)
+            })
+            .collect()
     }
 
     async fn read_back(
@@ -369,5 +406,180 @@ impl ClaimPath {
                 .unwrap_or(i64::MAX)
         });
         Ok(rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    use bson::doc;
+    use futures::future::BoxFuture;
+
+    use crate::config::{MongoConfig, UuidRepresentation};
+    use crate::record::due::Shape;
+    use crate::record::guid;
+    use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Written};
+    use crate::store::clock::ServerClock;
+
+    /// A server whose due read returns `docs` and whose compare-and-swap takes `takes` of
+    /// them, recording every operation it is asked for. A read-back finds nothing.
+    #[derive(Debug)]
+    struct Scripted {
+        docs: Vec<Document>,
+        takes: u64,
+        ops: Mutex<Vec<Op>>,
+    }
+
+    impl Scripted {
+        fn ops(&self) -> Vec<Op> {
+            self.ops.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        }
+    }
+
+    impl Backend for Scripted {
+        fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+            let mut ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+            let first = ops.is_empty();
+            let reply = match &op {
+                Op::Find { .. } if first => Reply::Docs(self.docs.clone()),
+                Op::Update { .. } => Reply::Written(Written {
+                    matched: self.takes,
+                    modified: self.takes,
+                    ..Written::default()
+                }),
+                _ => Reply::Docs(Vec::new()),
+            };
+            ops.push(op);
+            Box::pin(async move { Ok(reply) })
+        }
+
+        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+            Box::pin(async { Ok(doc! { "ok": 1 }) })
+        }
+
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+            Box::pin(async { Err(crate::store::backend::command_error(1, "None", "none")) })
+        }
+
+        fn shutdown(&self) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    /// A free record due `ms` from now (negative: in the past).
+    fn record(ms: i64) -> Document {
+        let due = DateTime::from_millis(crate::host::wall_date().timestamp_millis() + ms);
+        doc! {
+            field::ID: guid::to_bson(crate::host::uuid(), UuidRepresentation::Standard),
+            field::DESTINATION: "q",
+            field::PROCESS_MANAGER_ID: guid::to_bson(crate::host::uuid(), UuidRepresentation::Standard),
+            field::TIME: due,
+            field::LOCKED: false,
+        }
+    }
+
+    /// Claims from a server holding `docs`, `takes` of which the compare-and-swap takes.
+    async fn claim(docs: Vec<Document>, takes: u64, look_ahead: Duration) -> (Claim, Vec<Op>) {
+        let backend = Arc::new(Scripted {
+            docs,
+            takes,
+            ops: Mutex::new(Vec::new()),
+        });
+        let store = Store::with_backend(
+            backend.clone(),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
+        let candidates = path
+            .candidates(10, look_ahead, &[])
+            .await
+            .expect("the read answers");
+        let claim = path
+            .take(candidates, Duration::from_secs(60))
+            .await
+            .expect("the take answers");
+        (claim, backend.ops())
+    }
+
+    fn names(ops: &[Op]) -> Vec<&'static str> {
+        ops.iter().map(Op::name).collect()
+    }
+
+    /// The horizon the take's compare-and-swap put on `Time`.
+    fn take_horizon(ops: &[Op]) -> DateTime {
+        let Some(Op::Update { filter, .. }) = ops.get(1) else {
+            panic!("no take: {ops:?}");
+        };
+        let due = filter.get_array("$and").expect("an $and")[1]
+            .as_document()
+            .expect("the due clause");
+        *due.get_document(field::TIME)
+            .expect("one shape")
+            .get_datetime("$lte")
+            .expect("a bound")
+    }
+
+    /// Every candidate due and every one taken: the rows are the documents read, under the
+    /// new lease, without a read-back; the take put the horizon at its own instant.
+    #[tokio::test]
+    async fn a_take_of_every_due_candidate_needs_no_read_back() {
+        let docs = vec![record(-2_000), record(-1_000)];
+        let (claim, ops) = claim(docs.clone(), 2, Duration::from_secs(30)).await;
+        assert_eq!(names(&ops), ["find", "updateMany"]);
+        assert!(take_horizon(&ops) < claim.lease.expires_at);
+        assert!(take_horizon(&ops) <= crate::host::wall_date());
+        assert_eq!(claim.rows.len(), 2);
+        for (row, doc) in claim.rows.iter().zip(&docs) {
+            assert_eq!(Some(&row.id), doc.get(field::ID));
+            let record = row.record.as_ref().expect("decodes");
+            assert_eq!(
+                Bson::DateTime(record.due),
+                doc.get(field::TIME).cloned().unwrap()
+            );
+            assert_eq!(row.raw.get_bool(field::LOCKED), Ok(true));
+            assert_eq!(
+                row.raw.get(field::LOCKED_BY),
+                Some(&guid::to_bson(
+                    claim.lease.owner,
+                    UuidRepresentation::Standard
+                ))
+            );
+            assert_eq!(
+                row.raw.get_datetime(field::LOCK_EXPIRES_AT),
+                Ok(&claim.lease.expires_at)
+            );
+        }
+        assert!(!claim.more);
+    }
+
+    /// A racing instance took one: what this lease holds is read back.
+    #[tokio::test]
+    async fn a_take_that_lost_a_candidate_reads_back_what_it_holds() {
+        let (claim, ops) = claim(vec![record(-2_000), record(-1_000)], 1, Duration::ZERO).await;
+        assert_eq!(names(&ops), ["find", "updateMany", "find"]);
+        assert!(claim.more, "the read saw more than the take got");
+    }
+
+    /// A candidate not yet due (held under the lease until its instant, within the
+    /// look-ahead) may have been rescheduled since the read: the take keeps the read's
+    /// horizon and reads back the `Time` it took.
+    #[tokio::test]
+    async fn a_take_of_a_candidate_not_yet_due_reads_back_its_time() {
+        let (claim, ops) = claim(
+            vec![record(-1_000), record(20_000)],
+            2,
+            Duration::from_secs(30),
+        )
+        .await;
+        assert_eq!(names(&ops), ["find", "updateMany", "find"]);
+        assert!(take_horizon(&ops) > crate::host::wall_date());
+        assert!(claim.rows.is_empty(), "the read-back found nothing");
     }
 }
