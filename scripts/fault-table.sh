@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the fault scenarios and the soak (tests/faults.rs), the slowness scenarios
-# (tests/slowness.rs) and the hostile records (tests/hostile.rs), one test at a time, and
+# Runs the fault scenarios and the soak (tests/suite/faults.rs), the slowness scenarios
+# (tests/suite/slowness.rs) and the hostile records (tests/suite/hostile.rs), one test at a time, and
 # prints the README's tables: scenario, records, lost, duplicates (and how they are accounted
 # for), lateness p99. FAULT_TESTS picks the test files (default "faults slowness hostile").
 # Soak size: TIMEOUTD_SOAK_RECORDS (100000), TIMEOUTD_SOAK_SECONDS (180). A failing scenario
@@ -13,7 +13,7 @@ scripts/ensure-rabbitmq.sh
 out="$(mktemp)"
 status=0
 for t in ${FAULT_TESTS:-faults slowness hostile}; do
-  cargo test --features failpoints --test "$t" -- --include-ignored --nocapture --test-threads=1 2>&1 | tee -a "$out" >&2 || status=1
+  cargo test --features failpoints --test suite "$t::" -- --include-ignored --nocapture --test-threads=1 2>&1 | tee -a "$out" >&2 || status=1
 done
 if grep -q 'FAULTS ' "$out"; then
   echo

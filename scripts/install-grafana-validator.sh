@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/dashboard.rs needs to check config/grafana/timeoutd.json against
+# Installs what tests/suite/dashboard.rs needs to check config/grafana/timeoutd.json against
 # Grafana's published dashboard schema: the npm packages pinned in
 # scripts/validators/grafana/package-lock.json (@grafana/schema, typescript), into
 # .tools/grafana (gitignored), from the npm registry. scripts/validate-grafana-dashboard.mjs

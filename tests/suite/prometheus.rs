@@ -6,7 +6,7 @@
 //! makes `TimeoutdRecordsParked` fire from the shipped rules (with `for:` shortened).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

@@ -2,10 +2,10 @@
 //! printed once, on stderr; bad input (an unknown id included) exits 2; the commands that move
 //! or delete records take `--dry-run` and `--reason` and write the audit; `health` reports on
 //! stderr; completions and the man page come from the same definition. What the CLI takes
-//! from its environment is in tests/cli_environment.rs.
+//! from its environment is in tests/suite/cli_environment.rs.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::process::{Command, Output};

@@ -2,7 +2,7 @@
 //! inserted as raw ServiceConnect v7 BSON and the messages are read back with lapin.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};

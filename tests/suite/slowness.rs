@@ -15,7 +15,7 @@
 //! (`scripts/fault-table.sh`).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! poller) and records whose `Time` no branch of the due query matches.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! first event, and every series the code records has HELP text and a row in docs/operations.md.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::process::{Command, Stdio};

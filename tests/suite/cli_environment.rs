@@ -4,7 +4,7 @@
 //! saying so once).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 

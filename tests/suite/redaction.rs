@@ -3,7 +3,7 @@
 //! one-shot commands, and from a running daemon's logs and endpoints.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 use std::time::Duration;

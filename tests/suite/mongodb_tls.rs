@@ -4,7 +4,7 @@
 //! refused without either or without TLS, and a daemon dispatches over it.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! no stored document may stop dispatch.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;

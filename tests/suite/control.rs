@@ -3,7 +3,7 @@
 //! matters, with deliveries counted on the real RabbitMQ; bad input exits 2.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

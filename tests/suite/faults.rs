@@ -9,7 +9,7 @@
 //! services directly. Each test prints one `FAULTS` line with its numbers (`--nocapture`).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};

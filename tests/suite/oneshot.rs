@@ -4,7 +4,7 @@
 //! 20 on the reporter's machine), with exit code 0; so each command runs many times.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 

@@ -2,7 +2,7 @@
 //! running instances under load, and against records under a live lease.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! cannot hold up SIGTERM. Real binary, real RabbitMQ behind a proxy, real test MongoDB.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

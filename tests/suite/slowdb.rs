@@ -5,7 +5,7 @@
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 #![cfg(feature = "failpoints")]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The `timeoutd` binary as an operator runs it: exit codes, messages, signals.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

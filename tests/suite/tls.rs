@@ -4,7 +4,7 @@
 //! `TIMEOUTD_TEST_AMQPS_URI`.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! ConfigMap and Secret; the ConfigMap holds every key of config/timeoutd.toml, and no other).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -5,7 +5,7 @@
 //! the real test MongoDB, several instances.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;

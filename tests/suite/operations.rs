@@ -2,7 +2,7 @@
 //! draining on SIGTERM. Each test runs the binary, so its metrics are its own.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

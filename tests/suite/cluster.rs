@@ -8,7 +8,7 @@
 //! the fault table in docs/guarantees.md (no timing is asserted).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
