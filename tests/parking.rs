@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::fleet::BIN;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -13,8 +14,6 @@ use common::*;
 use mongodb::Collection;
 use timeoutd::config::Config;
 use uuid::Uuid;
-
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
 
 fn parked_coll(env: &TestEnv) -> Collection<Document> {
     env.coll

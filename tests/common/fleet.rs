@@ -22,6 +22,18 @@ use super::{TestEnv, amqp_uri, eventually};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
 
+/// Runs the binary to its end with `args`, in the caller's environment without `RUST_LOG`
+/// and `TIMEOUTD_CONFIG`, plus `vars`.
+pub fn run(args: &[&str], vars: &[(String, String)]) -> std::process::Output {
+    std::process::Command::new(BIN)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("TIMEOUTD_CONFIG")
+        .envs(vars.iter().cloned())
+        .output()
+        .expect("run timeoutd")
+}
+
 /// `env.env_vars(c)` plus the keys it leaves out that fault tests set.
 pub fn vars(env: &TestEnv, c: &Config) -> Vec<(String, String)> {
     let ms = |d: Duration| format!("{}ms", d.as_millis());

@@ -5,14 +5,11 @@
 //! tell fleets apart, and the Kubernetes PrometheusRule holds the same groups.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
+use crate::repo;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 fn yaml(path: &Path) -> Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

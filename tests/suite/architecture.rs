@@ -3,12 +3,9 @@
 //! other, and the store imports nothing above it).
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
+use crate::repo;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
+use std::path::PathBuf;
 
 /// The top-level modules on disk: `src/x.rs` and `src/x/mod.rs`, but not `lib.rs`/`main.rs`.
 fn top_level_modules() -> Vec<String> {

@@ -2,8 +2,10 @@
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use crate::common;
+use crate::common::fleet::BIN;
+use crate::temp_config;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use bson::doc;
@@ -11,21 +13,10 @@ use common::proxy::{Mode, Proxy, host_port};
 use common::*;
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
-
 fn run(args: &[&str], env: &[(String, String)]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run timeoutd")
-}
-
-fn temp_config(text: &str) -> tempfile::NamedTempFile {
-    let f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
-    std::fs::write(f.path(), text).unwrap();
-    f
+    let mut vars = env.to_vec();
+    vars.push(("RUST_LOG".into(), "warn".into()));
+    crate::common::fleet::run(args, &vars)
 }
 
 fn stderr(o: &Output) -> String {

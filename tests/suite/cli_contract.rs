@@ -6,9 +6,10 @@
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use crate::common;
+use crate::common::fleet::run;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 use bson::{Document, doc};
@@ -16,23 +17,11 @@ use clap::CommandFactory;
 use common::*;
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
-
 /// Commands whose output is no report: the daemon logs, completions and the man page are
 /// scripts and roff.
 const NOT_REPORTS: [&str; 3] = ["run", "completions", "man"];
 /// Commands that move or delete records.
 const CHANGES_RECORDS: [&str; 4] = ["cancel", "reschedule", "parked requeue", "parked drop"];
-
-fn run(args: &[&str], vars: &[(String, String)]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .env_remove("TIMEOUTD_CONFIG")
-        .envs(vars.iter().cloned())
-        .output()
-        .expect("run timeoutd")
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

@@ -5,31 +5,16 @@
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use crate::common;
+use crate::common::fleet::BIN;
+use crate::common::fleet::run;
+use crate::temp_config;
 
-use std::process::{Command, Output};
+use std::process::Command;
 
 use common::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
-
-fn run(args: &[&str], vars: &[(String, String)]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .env_remove("TIMEOUTD_CONFIG")
-        .envs(vars.iter().cloned())
-        .output()
-        .expect("run timeoutd")
-}
-
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-fn temp_config(text: &str) -> tempfile::NamedTempFile {
-    let f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
-    std::fs::write(f.path(), text).unwrap();
-    f
 }
 
 #[test]

@@ -6,6 +6,7 @@
 //! timeoutd exports, panels that do not overlap.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
+use crate::repo;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -13,10 +14,6 @@ use serde_json::Value;
 use timeoutd::metrics::SERIES;
 
 const DASHBOARD: &str = "config/grafana/timeoutd.json";
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 fn dashboard() -> Value {
     serde_json::from_str(&std::fs::read_to_string(repo(DASHBOARD)).unwrap()).unwrap()

@@ -2,17 +2,13 @@
 //! checked with the tools their platforms use, offline.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
+use crate::common::fleet::BIN;
+use crate::repo;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use timeoutd::config::Config;
-
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 /// The value of `Key=` in a unit file, as a duration in seconds.
 fn unit_seconds(unit: &str, key: &str) -> Duration {

@@ -1,9 +1,8 @@
 //! Which build is running: `timeoutd --version` and `timeoutd_build_info`.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
+use crate::common::fleet::BIN;
 use std::process::Command;
-
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
 
 /// The commit this checkout is at, when it is a git checkout with git installed.
 fn git_head() -> Option<String> {

@@ -4,8 +4,8 @@
 //! that neither another fleet's pods nor a one-shot CLI Job is selected.
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
+use crate::repo;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -18,10 +18,6 @@ const RECOMMENDED: [&str; 6] = [
     "managed-by",
 ];
 const SELECTED_BY: [&str; 3] = ["name", "instance", "component"];
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 /// Every manifest of config/kubernetes but the Kustomization, by file name.
 fn manifests() -> BTreeMap<String, Value> {

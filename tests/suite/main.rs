@@ -38,3 +38,15 @@ mod slowdb;
 mod slowness;
 mod stalls;
 mod tls;
+
+/// A path in this repository.
+pub fn repo(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+/// A configuration file holding `text`, removed when dropped.
+pub fn temp_config(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    f
+}

@@ -5,9 +5,10 @@
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use crate::common;
+use crate::common::fleet::BIN;
+use crate::repo;
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bson::doc;
@@ -15,12 +16,7 @@ use common::*;
 use serde_json::Value;
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
 const ENV_FILE: &str = "/etc/timeoutd/timeoutd.env";
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 fn yaml(path: &str) -> Value {
     let text = std::fs::read_to_string(repo(path)).unwrap();

@@ -7,8 +7,8 @@
 #![allow(clippy::disallowed_methods)] // a real-world client: real clocks, real randomness
 
 use crate::common;
+use crate::repo;
 
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -19,10 +19,6 @@ use serde_json::Value;
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(120);
-
-fn repo(path: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 /// A real `prometheus` on a free port, killed on drop.
 struct Prometheus {
