@@ -155,6 +155,51 @@ pub fn command_error(code: i32, code_name: &str, message: &str) -> MongoError {
     }
 }
 
+/// A backend whose collection operations one function answers, for unit tests that need no
+/// server: commands answer `ok`, change streams cannot be opened.
+#[cfg(test)]
+pub(crate) struct Answering<F>(pub F);
+
+#[cfg(test)]
+impl<F> fmt::Debug for Answering<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Answering")
+    }
+}
+
+#[cfg(test)]
+impl<F> Backend for Answering<F>
+where
+    F: Fn(Op) -> Result<Reply, MongoError> + Send + Sync + 'static,
+{
+    fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+        let reply = (self.0)(op);
+        Box::pin(async move { reply })
+    }
+
+    fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+        Box::pin(async { Ok(bson::doc! { "ok": 1 }) })
+    }
+
+    fn watch(
+        &self,
+        _: &str,
+        _: Vec<Document>,
+    ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+        Box::pin(async {
+            Err(command_error(
+                40573,
+                "Location40573",
+                "no change streams here",
+            ))
+        })
+    }
+
+    fn shutdown(&self) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -415,62 +415,12 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use bson::doc;
-    use futures::future::BoxFuture;
 
     use crate::config::{MongoConfig, UuidRepresentation};
     use crate::record::due::Shape;
     use crate::record::guid;
-    use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Written};
+    use crate::store::backend::{Answering, Op, Reply, Written};
     use crate::store::clock::ServerClock;
-
-    /// A server whose due read returns `docs` and whose compare-and-swap takes `takes` of
-    /// them, recording every operation it is asked for. A read-back finds nothing.
-    #[derive(Debug)]
-    struct Scripted {
-        docs: Vec<Document>,
-        takes: u64,
-        ops: Mutex<Vec<Op>>,
-    }
-
-    impl Scripted {
-        fn ops(&self) -> Vec<Op> {
-            self.ops.lock().unwrap_or_else(|e| e.into_inner()).clone()
-        }
-    }
-
-    impl Backend for Scripted {
-        fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
-            let mut ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
-            let first = ops.is_empty();
-            let reply = match &op {
-                Op::Find { .. } if first => Reply::Docs(self.docs.clone()),
-                Op::Update { .. } => Reply::Written(Written {
-                    matched: self.takes,
-                    modified: self.takes,
-                    ..Written::default()
-                }),
-                _ => Reply::Docs(Vec::new()),
-            };
-            ops.push(op);
-            Box::pin(async move { Ok(reply) })
-        }
-
-        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-            Box::pin(async { Ok(doc! { "ok": 1 }) })
-        }
-
-        fn watch(
-            &self,
-            _: &str,
-            _: Vec<Document>,
-        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-            Box::pin(async { Err(crate::store::backend::command_error(1, "None", "none")) })
-        }
-
-        fn shutdown(&self) -> BoxFuture<'static, ()> {
-            Box::pin(async {})
-        }
-    }
 
     /// A free record due `ms` from now (negative: in the past).
     fn record(ms: i64) -> Document {
@@ -484,15 +434,28 @@ mod tests {
         }
     }
 
-    /// Claims from a server holding `docs`, `takes` of which the compare-and-swap takes.
+    /// Claims from a server whose due read returns `docs` and whose compare-and-swap takes
+    /// `takes` of them (a read-back finds nothing); returns the claim and every operation
+    /// the server was asked for.
     async fn claim(docs: Vec<Document>, takes: u64, look_ahead: Duration) -> (Claim, Vec<Op>) {
-        let backend = Arc::new(Scripted {
-            docs,
-            takes,
-            ops: Mutex::new(Vec::new()),
+        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let ops = asked.clone();
+        let backend = Answering(move |op: Op| {
+            let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
+            let reply = match &op {
+                Op::Find { .. } if ops.is_empty() => Reply::Docs(docs.clone()),
+                Op::Update { .. } => Reply::Written(Written {
+                    matched: takes,
+                    modified: takes,
+                    ..Written::default()
+                }),
+                _ => Reply::Docs(Vec::new()),
+            };
+            ops.push(op);
+            Ok(reply)
         });
         let store = Store::with_backend(
-            backend.clone(),
+            Arc::new(backend),
             &MongoConfig::default(),
             ServerClock::default(),
         );
@@ -505,7 +468,8 @@ mod tests {
             .take(candidates, Duration::from_secs(60))
             .await
             .expect("the take answers");
-        (claim, backend.ops())
+        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        (claim, ops)
     }
 
     fn names(ops: &[Op]) -> Vec<&'static str> {

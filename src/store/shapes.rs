@@ -352,10 +352,8 @@ mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use futures::future::BoxFuture;
-
     use crate::config::MongoConfig;
-    use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply};
+    use crate::store::backend::{Answering, MongoError, Op, Reply};
     use crate::store::clock::ServerClock;
 
     /// A timeouts collection of `[ticks, offset]` records at `offsets` (none: empty), or a
@@ -366,14 +364,14 @@ mod tests {
         down: AtomicBool,
     }
 
-    impl Backend for Offsets {
-        fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+    impl Offsets {
+        fn answer(&self, op: Op) -> Result<Reply, MongoError> {
             let offsets = self
                 .offsets
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
-            let reply = match op {
+            match op {
                 _ if self.down.load(Ordering::SeqCst) => Err(MongoError::from(
                     std::io::Error::from(std::io::ErrorKind::ConnectionReset),
                 )),
@@ -383,30 +381,7 @@ mod tests {
                     Reply::Docs(offsets.iter().map(|_| doc! { "_id": 1 }).take(1).collect()),
                 ),
                 _ => Ok(Reply::Docs(Vec::new())),
-            };
-            Box::pin(async move { reply })
-        }
-
-        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-            Box::pin(async { Ok(doc! { "ok": 1 }) })
-        }
-
-        fn watch(
-            &self,
-            _: &str,
-            _: Vec<Document>,
-        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-            Box::pin(async {
-                Err(crate::store::backend::command_error(
-                    40573,
-                    "Location40573",
-                    "none",
-                ))
-            })
-        }
-
-        fn shutdown(&self) -> BoxFuture<'static, ()> {
-            Box::pin(async {})
+            }
         }
     }
 
@@ -417,8 +392,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn while_no_shape_is_known_a_claim_waits_for_a_try_and_fails_with_it() {
         let backend = Arc::new(Offsets::default());
+        let answering = backend.clone();
         let config = MongoConfig::default();
-        let store = Store::with_backend(backend.clone(), &config, ServerClock::default());
+        let store = Store::with_backend(
+            Arc::new(Answering(move |op| answering.answer(op))),
+            &config,
+            ServerClock::default(),
+        );
         let (learner, shapes) = learner(&store);
         let stop = CancellationToken::new();
         let task = crate::host::spawn(learner.expect("auto learns").run(stop.clone()));
