@@ -317,7 +317,10 @@ fn query_surface(now: DateTime) -> Vec<(String, Document)> {
         "odd_locked".into(),
         timeoutd::store::census::odd_locked_filter(),
     ));
-    out.push(("any date".into(), doc! { "Time": { "$type": "date" } }));
+    out.push((
+        "any date".into(),
+        timeoutd::store::shapes::any_date_filter(),
+    ));
     out.push((
         "new offsets probe".into(),
         doc! { "Time.1": { "$in": (-840..=840).filter(|o| o % 60 != 0).collect::<Vec<i32>>() } },
@@ -389,6 +392,21 @@ async fn the_due_and_lease_queries_match_the_same_hostile_records() {
     for offset in [-120_000, 0, 45_000, 600_000] {
         compare_queries(&s, COLL, at(offset), "hostile").await;
     }
+    // The shape learner's two date ranges hold every date, as `$type` finds them (dates of
+    // the whole BSON range among these records), on the real server.
+    let ranges = s
+        .both(COLL, find(timeoutd::store::shapes::any_date_filter()))
+        .await;
+    let typed = s
+        .both(COLL, find(doc! { "Time": { "$type": "date" } }))
+        .await;
+    let (ranges, typed) = (docs_of(&ranges[1], "ranges"), docs_of(&typed[1], "$type"));
+    assert!(!typed.is_empty(), "the hostile records hold dates");
+    assert_eq!(
+        by_id(&ranges).keys().collect::<Vec<_>>(),
+        by_id(&typed).keys().collect::<Vec<_>>(),
+        "any date: the ranges against $type"
+    );
     // The claim's read: oldest first per shape, a batch at a time.
     for shape in [Shape::Date, Shape::Ticks(0)] {
         let filter = lease::due_within(now(), None, at(60_000), &[shape]);

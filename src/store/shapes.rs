@@ -25,7 +25,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use bson::{Bson, Document, doc};
+use bson::{Bson, DateTime, Document, doc};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::TimeEncoding;
@@ -291,25 +291,37 @@ fn unseen_offsets(seen: &[Bson]) -> Vec<i32> {
         .collect()
 }
 
-/// Any date: `$type` keeps arrays out, and the date index (or v7's `Time_1_Locked_1`)
-/// serves it with the date type's bounds. Dates outside .NET's range count too: those due are
-/// claimed and parked with the reason. (Not `$lte: DateTime::MAX`: a server built on
-/// Python's datetime, such as SecantusDB's `secantusd-py`, rejects that date in a query.)
+/// Any date, as two ranges around the first instant of year 1, which together hold every
+/// date: a range on `Time` matches only dates (arrays and numbers compare in other brackets),
+/// and the date index (or v7's `Time_1_Locked_1`) serves each with a seek. Dates outside
+/// .NET's range count too: those due are claimed and parked with the reason. Not `$type`:
+/// SecantusDB answers it by scanning the whole index (43 ms at 50k records, 190 ms cold,
+/// measured; in every probe, every 2 s) where the ranges take 0.9 ms; MongoDB serves both
+/// from the index. Not `$lte` with the largest date: a server whose BSON layer is Python's
+/// (SecantusDB's Python server) cannot read a date past year 9999 in a query; year 1 it can.
 async fn any_date(store: &Store) -> Result<bool, StoreError> {
     let found = store
         .query(async {
             slow_reply().await;
             store
                 .coll
-                // `$type`, not `$lte` with the largest date: a server whose BSON layer is Python's
-                // (SecantusDB's Python server) cannot read a date past year 9999 in a query.
-                .find_one(doc! { field::TIME: { "$type": "date" } })
+                .find_one(any_date_filter())
                 .projection(doc! { field::ID: 1 })
                 .max_time(store.server_limit())
                 .await
         })
         .await?;
     Ok(found.is_some())
+}
+
+/// The filter of [`any_date`]: every record whose `Time` is a date.
+pub fn any_date_filter() -> Document {
+    // 0001-01-01T00:00:00Z.
+    let year_one = DateTime::from_millis(-62_135_596_800_000);
+    doc! { "$or": [
+        { field::TIME: { "$gte": year_one } },
+        { field::TIME: { "$lt": year_one } },
+    ] }
 }
 
 /// Tests only: a server that answers each query of a learn late, within the query's own
