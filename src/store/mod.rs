@@ -356,18 +356,6 @@ impl Store {
         Ok(crate::record::ids_of(docs))
     }
 
-    /// Frees one record if `owner` still holds it; `false` means the lease was lost.
-    pub async fn release_one(&self, id: &Bson, owner: Uuid) -> Result<bool, StoreError> {
-        let r = self
-            .coll
-            .update_one(
-                lease::held_one(id, owner, self.clock.now()),
-                lease::release_update(self.uuids),
-            )
-            .await?;
-        Ok(r.matched == 1)
-    }
-
     /// Frees those of `ids` that `owner` still holds; returns how many.
     pub async fn release_many(&self, ids: &[Bson], owner: Uuid) -> Result<u64, StoreError> {
         if ids.is_empty() {

@@ -125,7 +125,13 @@ async fn a_lost_lease_cannot_delete_or_release() {
         0,
         "the old owner deletes nothing"
     );
-    assert!(!a.release_one(&raw, first.lease.owner).await.unwrap());
+    assert_eq!(
+        a.release_many(std::slice::from_ref(&raw), first.lease.owner)
+            .await
+            .unwrap(),
+        0,
+        "the old owner frees nothing"
+    );
     let d = env.find(id).await.expect("the record survives");
     assert_eq!(d.get("LockedBy"), Some(&uuid(second.lease.owner)));
     assert!(d.get_bool("Locked").unwrap());
@@ -149,7 +155,12 @@ async fn release_restores_the_free_shape() {
     env.insert(vec![original.clone()]).await;
     let s = store(&env).await;
     let claim = s.claim(10, Duration::from_secs(30)).await.unwrap();
-    assert!(s.release_one(&uuid(id), claim.lease.owner).await.unwrap());
+    assert_eq!(
+        s.release_many(&[uuid(id)], claim.lease.owner)
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(env.find(id).await.unwrap(), original);
     env.cleanup().await;
 }
