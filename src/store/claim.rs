@@ -372,7 +372,8 @@ impl ClaimPath {
 
     /// The candidates as read, every one of them taken under `lease`: as the read-back would
     /// return them, but for a `Time` rescheduled since the read to another instant that is
-    /// also due (which changes nothing of what is sent, nor when).
+    /// also due: that changes nothing of what is sent, nor when, but the lateness metric and
+    /// the history row keep the `Time` read.
     fn as_leased(&self, found: Vec<(Bson, Document)>, lease: &Lease) -> Vec<ClaimedRow> {
         let leased = lease::leased_fields(lease, self.store.uuids);
         found
