@@ -30,11 +30,11 @@ if grep -q 'FAULTS ' "$out"; then
 fi
 if grep -q 'HOSTILE ' "$out"; then
   echo
-  echo "| scenario | records | lost | delivered | parked | daemon restarts |"
-  echo "|---|---|---|---|---|---|"
+  echo "| scenario | records | lost | delivered | parked | left, unschedulable (named by the census) | daemon restarts |"
+  echo "|---|---|---|---|---|---|---|"
   grep -o 'HOSTILE .*' "$out" | awk '{
       for (i = 2; i <= NF; i++) { split($i, p, "="); v[p[1]] = p[2] }
-      printf "| %s ordinary records beside %s generated hostile ones | %s | %s | %s | %s | %s |\n", v["ordinary"], v["hostile"], v["records"], v["lost"], v["delivered"], v["parked"], v["restarts"]
+      printf "| %s ordinary records beside %s generated hostile ones | %s | %s | %s | %s | %s | %s |\n", v["ordinary"], v["hostile"], v["records"], v["lost"], v["delivered"], v["parked"], v["unschedulable"], v["restarts"]
     }'
 fi
 exit $status
