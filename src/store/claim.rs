@@ -50,8 +50,8 @@ pub struct Candidates {
     horizon: DateTime,
     shapes: Vec<crate::record::due::Shape>,
     excluded: Vec<String>,
-    /// Each candidate's `_id`, and the document as read.
-    found: Vec<(Bson, Document)>,
+    /// Each candidate as read (every one has an `_id`).
+    found: Vec<Document>,
     /// Every candidate was due when read: the take can restrict itself to records due at its
     /// own instant, and then needs no read-back when it takes them all.
     all_due: bool,
@@ -67,7 +67,10 @@ impl Candidates {
             horizon: DateTime::MAX,
             shapes: Vec::new(),
             excluded: Vec::new(),
-            found: ids.into_iter().map(|id| (id, Document::new())).collect(),
+            found: ids
+                .into_iter()
+                .map(|id| bson::doc! { field::ID: id })
+                .collect(),
             all_due: false,
             more: false,
         }
@@ -270,7 +273,8 @@ impl ClaimPath {
             .all(|(due, _)| due.is_some_and(|due| due <= now));
         let found = found
             .into_iter()
-            .filter_map(|(_, d)| d.get(field::ID).cloned().map(|id| (id, d)))
+            .map(|(_, d)| d)
+            .filter(|d| d.contains_key(field::ID))
             .collect();
         Ok(Candidates {
             horizon: range.to,
@@ -310,7 +314,10 @@ impl ClaimPath {
                 read: 0,
             });
         }
-        let candidates: Vec<Bson> = found.iter().map(|(id, _)| id.clone()).collect();
+        let candidates: Vec<Bson> = found
+            .iter()
+            .filter_map(|d| d.get(field::ID).cloned())
+            .collect();
         // Every candidate was due when read: take only what is due now, so that a record
         // rescheduled since the read is taken only if it is still due, and is sent now
         // either way, as its `Time` says. All taken then means all as read, but for their
@@ -374,11 +381,11 @@ impl ClaimPath {
     /// return them, but for a `Time` rescheduled since the read to another instant that is
     /// also due: that changes nothing of what is sent, nor when, but the lateness metric and
     /// the history row keep the `Time` read.
-    fn as_leased(&self, found: Vec<(Bson, Document)>, lease: &Lease) -> Vec<ClaimedRow> {
+    fn as_leased(&self, found: Vec<Document>, lease: &Lease) -> Vec<ClaimedRow> {
         let leased = lease::leased_fields(lease, self.store.uuids);
         found
             .into_iter()
-            .map(|(_, mut raw)| {
+            .map(|mut raw| {
                 raw.extend(leased.clone());
                 ClaimedRow::read(raw, self.store.decoding)
             })

@@ -76,14 +76,8 @@ impl Daemon {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal,
-        // so no daemon outlives a test binary that was killed.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        // No daemon outlives a test binary that was killed.
+        super::dies_with_the_tests(cmd.as_std_mut());
         let mut child = cmd.spawn().expect("spawn timeoutd");
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let logs = Arc::new(Mutex::new(Vec::new()));

@@ -75,6 +75,19 @@ fn remove_stale_server_dirs() {
     }
 }
 
+/// Sets the parent-death signal of a child the tests start, so that it goes when the test
+/// process goes, even killed.
+pub fn dies_with_the_tests(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
 /// Starts `secantusd-rs --port 0` from a thread that lives as long as the test process, with
 /// the parent-death signal set so the server goes when the tests go.
 fn start_secantus() -> String {
@@ -99,14 +112,7 @@ fn start_secantus() -> String {
         .arg(dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        dies_with_the_tests(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {

@@ -78,14 +78,7 @@ impl Prometheus {
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(log);
-        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        crate::common::dies_with_the_tests(&mut cmd);
         let child = cmd
             .spawn()
             .expect("prometheus (Debian's package): run scripts/install-prometheus.sh");
