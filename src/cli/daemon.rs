@@ -297,6 +297,7 @@ async fn start(
         "wakeup",
         ok(wakeup::run(
             store.clone(),
+            shapes.clone(),
             config.dispatch.look_ahead(),
             signals.inserted.clone(),
             shutdown.clone(),

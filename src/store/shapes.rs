@@ -8,8 +8,8 @@
 //! not yet known exists (`"Time.1": {$in: [every offset not seen]}`, index point seeks) and learns the
 //! set again only then, or every [`FULL_REFRESH`] (to drop offsets no record holds any
 //! more). A claim never waits for this except the first. A record whose offset no other
-//! record had (a new time zone, a DST change) is served from the next probe: it fires at its
-//! instant when it was written at least `REFRESH` ahead of it. The probe asks for quarter
+//! record had (a new time zone, a DST change) is served once the learner knows it: at once
+//! when the insert wake-up saw it ([`Shapes::inserted`]), otherwise from the next probe. The probe asks for quarter
 //! hours ([`PROBE_STEP_MINUTES`]); any other offset is served from the next full learn.
 //!
 //! One learner, run as a task of its own ([`Learner::run`], the daemon's `shapes` task): it
@@ -62,6 +62,9 @@ pub enum Shapes {
         rx: watch::Receiver<Learned>,
         /// Asks the learner to look again (while it knows none).
         wanted: Arc<Notify>,
+        /// Asks the learner to learn the set again now: a record of a shape not in it was
+        /// inserted ([`Shapes::inserted`]).
+        relearn: Arc<Notify>,
         /// The set [`Shapes::changed`] last saw.
         seen: Option<Vec<Shape>>,
     },
@@ -99,6 +102,35 @@ impl Shapes {
         match &l.failed {
             Some(why) => Err(StoreError::ShapesUnchecked(why.clone())),
             None => Ok(l.shapes.clone().unwrap_or_default()),
+        }
+    }
+
+    /// A record whose `Time` is `time` was inserted (the insert wake-up): when its shape is
+    /// one the encoding serves and not in the set, the learner learns the set again at once
+    /// instead of at its next probe, so that the record fires on time when it was inserted
+    /// due sooner than that. The simulation's `late` invariant found such records up to
+    /// [`REFRESH`] late. An offset outside +-14 h is never in the set and asks nothing.
+    pub fn inserted(&self, time: Option<&Bson>, encoding: TimeEncoding) {
+        let Shapes::Learned { rx, relearn, .. } = self else {
+            return;
+        };
+        let shape = match time {
+            Some(Bson::DateTime(_)) if encoding.reads_dates() => Shape::Date,
+            Some(Bson::Array(a)) if encoding.reads_ticks() => {
+                match due::servable_offsets(a.get(1).map(std::slice::from_ref).unwrap_or(&[]))[..] {
+                    [offset] => Shape::Ticks(offset),
+                    _ => return,
+                }
+            }
+            _ => return,
+        };
+        let known = rx
+            .borrow()
+            .shapes
+            .as_ref()
+            .is_some_and(|s| s.contains(&shape));
+        if !known {
+            relearn.notify_one();
         }
     }
 
@@ -145,6 +177,8 @@ pub struct Learner {
     tx: watch::Sender<Learned>,
     /// A claim found no shape known: look again.
     wanted: Arc<Notify>,
+    /// A record of a shape not known was inserted: learn again.
+    relearn: Arc<Notify>,
     /// Every `"Time.1"` value seen, servable or not: what the probe need not find again.
     offsets_seen: Vec<Bson>,
     learned_at: Option<Instant>,
@@ -158,16 +192,19 @@ pub fn learner(store: &Store) -> (Option<Learner>, Shapes) {
     }
     let (tx, rx) = watch::channel(Learned::default());
     let wanted = Arc::new(Notify::new());
+    let relearn = Arc::new(Notify::new());
     let learner = Learner {
         store: store.clone(),
         tx,
         wanted: wanted.clone(),
+        relearn: relearn.clone(),
         offsets_seen: Vec::new(),
         learned_at: None,
     };
     let shapes = Shapes::Learned {
         rx,
         wanted,
+        relearn,
         seen: None,
     };
     (Some(learner), shapes)
@@ -177,8 +214,9 @@ impl Learner {
     /// Until shutdown: learns the set, then probes every [`REFRESH`], learning again when a
     /// probe finds a new shape and every [`FULL_REFRESH`] (to drop offsets no record holds
     /// any more). While the set is empty, a claim's ask comes sooner (at most every
-    /// [`REFRESH_WHILE_EMPTY`]), so that the first records inserted fire on time. Failures
-    /// are paced by [`Pacing`], keeping the last set.
+    /// [`REFRESH_WHILE_EMPTY`]), so that the first records inserted fire on time, and so
+    /// does an ask to learn again ([`Shapes::inserted`]). Failures are paced by [`Pacing`],
+    /// keeping the last set.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
@@ -207,9 +245,14 @@ impl Learner {
                 self.wanted.notified().await;
                 tokio::time::sleep_until(asked_after).await;
             };
+            let relearn = async {
+                self.relearn.notified().await;
+                tokio::time::sleep_until(asked_after).await;
+            };
             tokio::select! {
                 _ = tokio::time::sleep(wait.unwrap_or(REFRESH)) => {}
                 _ = asked, if empty && wait.is_none() => {}
+                _ = relearn, if wait.is_none() => self.learned_at = None,
                 _ = shutdown.cancelled() => return,
             }
         }

@@ -753,6 +753,8 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
             inserted: false,
             spec: n,
             park_reasons,
+            on_time_ms: r.on_time.then(|| s.on_time_ms() as i64),
+            inserted_server_ms: 0,
         };
         out.push((doc, info, r.insert_at_ms));
     }
@@ -933,7 +935,8 @@ async fn run_in(
             Step::Insert(doc) => {
                 let id = doc.get("_id").cloned().unwrap_or(Bson::Null);
                 models::insert(&world.mongo, &timeouts, doc);
-                world.checker().inserted(&id);
+                let server_ms = models::server_ms(&world.mongo);
+                world.checker().inserted(&id, server_ms);
                 trace.event(
                     now,
                     "sim",

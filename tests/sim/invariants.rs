@@ -37,6 +37,11 @@
 //!   instance sooner than the back-off after unconfirmed waves allows: 100 ms doubling to
 //!   10 s for each such publish of it since the instance last saw any answer (a link that
 //!   withholds confirms must not get the same records again at once, nor ever faster);
+//! - `late`: a record due in the calm after the faults (drawn for it) reaches the broker no
+//!   later after its due instant, by the server clock, than its configuration allows: the
+//!   poll interval less the look-ahead, and a slack for the calls
+//!   ([`crate::sim::swarm::Scenario::on_time_ms`]). So a lost insert wake-up, a claim that is
+//!   not scheduled when due, or a held record not sent at its instant is found;
 //! - `uncounted-duplicate`: every routed delivery after a record's first is counted by the
 //!   fleet's lease-lost or duplicate series, except those after a delivery by an instance that
 //!   was killed (read through the run's own metrics recorder at the end).
@@ -102,6 +107,11 @@ pub struct RecordInfo {
     pub spec: usize,
     /// The reasons it may be parked for (`None`: any, a hostile record).
     pub park_reasons: Option<Vec<&'static str>>,
+    /// Due in the calm: how late its first publish may reach the broker (`late`), after its
+    /// due instant or its insert, whichever is later by the server's clock.
+    pub on_time_ms: Option<i64>,
+    /// The server's clock when it was inserted.
+    pub inserted_server_ms: i64,
 }
 
 /// `doc` without the named fields (for shorter messages).
@@ -180,6 +190,8 @@ pub struct Checker {
     /// Publishes whose answer the instance did not see, by (instance, record): how many
     /// since the instance last saw any answer, and when it gave up on the latest.
     unanswered: HashMap<(usize, String), Unanswered>,
+    /// Records published at least once.
+    first_published: BTreeSet<String>,
     /// When the operator last rescheduled each record (virtual ms).
     rescheduled_at: HashMap<String, u64>,
     /// How many answers each instance has seen (an entry of `unanswered` counts only while
@@ -238,10 +250,12 @@ impl Checker {
         self.records.insert(k, info);
     }
 
-    pub fn inserted(&mut self, id: &Bson) {
+    /// `id` was inserted when the server's clock read `server_ms`.
+    pub fn inserted(&mut self, id: &Bson, server_ms: i64) {
         let k = key(id);
         if let Some(r) = self.records.get_mut(&k) {
             r.inserted = true;
+            r.inserted_server_ms = server_ms;
         }
         self.present.insert(k);
     }
@@ -502,6 +516,24 @@ impl Checker {
                 least_hold_off_ms(u.count)
             );
             self.fail(at_ms, "hold-off", d);
+        }
+        let Some(info) = self.records.get(record) else {
+            return;
+        };
+        let first = self.first_published.insert(record.to_string());
+        if let (Some(due), Some(allowed), true) = (info.due_ms, info.on_time_ms, first) {
+            // A server clock stepped ahead by a fault may make a record overdue at its insert.
+            let inserted = info.inserted_server_ms;
+            let from = due.max(inserted);
+            self.bump("on-time-checked");
+            if server_ms - from > allowed {
+                let d = format!(
+                    "instance {instance} published {record} at server time {server_ms}, {} ms after its due instant {due} (inserted at {inserted}), in the calm; its configuration allows {allowed} ms",
+                    server_ms - from
+                );
+                self.fail(at_ms, "late", d);
+                return;
+            }
         }
         let Some(info) = self.records.get(record) else {
             return;

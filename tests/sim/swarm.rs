@@ -115,6 +115,10 @@ pub struct RecordSpec {
     /// `frame_max`, a record fits one node's frames and not the other's.
     #[serde(default)]
     pub header_bytes: u32,
+    /// Due in the calm after the faults, when nothing delays it but the configuration: it
+    /// must reach the broker on time (the `late` invariant, [`Scenario::on_time_ms`]).
+    #[serde(default)]
+    pub on_time: bool,
 }
 
 /// A fault, at an instant of the simulation.
@@ -203,6 +207,11 @@ pub struct Scenario {
 
 /// How much later a reschedule racing a claim moves a record: from, to (ms).
 pub const RACE_LATER_MS: (u64, u64) = (1_000, 20_000);
+
+/// What a record due in the calm may take beyond what its configuration allows: the claim's
+/// calls, the publish and its confirm, and the widening of the server clock's bounds since
+/// the last reading (1 ms a second).
+pub const ON_TIME_SLACK_MS: u64 = 250;
 
 /// The queue nothing is bound to.
 pub const UNROUTABLE: &str = "sim-unbound";
@@ -305,6 +314,7 @@ impl Scenario {
                         d.range(0, faults_end_ms)
                     },
                     header_bytes: 0,
+                    on_time: false,
                 }
             })
             .collect();
@@ -386,6 +396,8 @@ impl Scenario {
         };
         let mut records = records;
         Self::draw_frames(seed, &mut knobs, &mut records);
+        let on_time = Self::draw_on_time(seed, &knobs, destinations.len(), faults_end_ms);
+        records.extend(on_time);
         Scenario {
             seed,
             knobs,
@@ -420,6 +432,81 @@ impl Scenario {
                 r.header_bytes = d.range(u64::from(small / 2), u64::from(small) * 2) as u32;
             }
         }
+    }
+
+    /// When the calm after the faults begins, in ms after the start: every delay a fault can
+    /// leave behind has run out by then. The longest is a claim paced after failures
+    /// ([`timeoutd::store::pacing::RETRY_CAP`] and its `operation_timeout`); beside it a
+    /// reconnect's back-off or the hold-off after unconfirmed publishes (10 s), a server
+    /// clock reading taken before the faults stopped (the monitor's 15 s), a replaced
+    /// instance's start-up and a stopped one's drain.
+    pub fn calm_from_ms(&self) -> u64 {
+        let k = &self.knobs;
+        let paced = timeoutd::store::pacing::RETRY_CAP.as_millis() as u64 + k.op_timeout_ms;
+        let calls = 2 * (k.op_timeout_ms + k.publish_timeout_ms + k.connect_timeout_ms);
+        self.faults_end_ms + paced.max(15_000) + calls + k.shutdown_timeout_ms
+    }
+
+    /// How late a record due in the calm may reach the broker, in ms: a claim reads
+    /// `look_ahead` ahead every poll, so one due between two polls is read at most
+    /// `poll - look_ahead` after its instant (at once, when a wake-up or the look-ahead has it
+    /// held), plus [`ON_TIME_SLACK_MS`] for the calls.
+    pub fn on_time_ms(&self) -> u64 {
+        let k = &self.knobs;
+        let look_ahead = k.look_ahead_ms.unwrap_or(2 * k.poll_ms);
+        k.poll_ms.saturating_sub(look_ahead) + ON_TIME_SLACK_MS
+    }
+
+    /// In one seed of two without send-rate limits (which hold records back by design), one
+    /// to four ordinary records due in the calm ([`Scenario::calm_from_ms`]), from a generator
+    /// of their own (as [`Scenario::draw_actions`]): half stored from the start, half inserted
+    /// shortly before they fall due, within or past the look-ahead, so that the insert
+    /// wake-up or the next poll must find them in time.
+    fn draw_on_time(
+        seed: u64,
+        knobs: &Knobs,
+        destinations: usize,
+        faults_end_ms: u64,
+    ) -> Vec<RecordSpec> {
+        let mut d = Draw::new(seed ^ 0x0_0717_E000);
+        if knobs.max_rate.is_some() || !knobs.destination_rates.is_empty() || !d.chance(0.5) {
+            return Vec::new();
+        }
+        let probe = Scenario {
+            seed,
+            knobs: knobs.clone(),
+            start_unix_ms: 0,
+            instances: Vec::new(),
+            destinations: Vec::new(),
+            records: Vec::new(),
+            faults: Vec::new(),
+            actions: Vec::new(),
+            reschedule_on_read: 0.0,
+            faults_end_ms,
+        };
+        let calm = probe.calm_from_ms();
+        let look_ahead = knobs.look_ahead_ms.unwrap_or(2 * knobs.poll_ms);
+        let mut due = calm + look_ahead + knobs.poll_ms;
+        (0..d.range(1, 4))
+            .map(|_| {
+                due += d.range(0, 3 * knobs.poll_ms + 500);
+                let insert_at_ms = if d.chance(0.5) {
+                    0
+                } else {
+                    due.saturating_sub(d.range(0, look_ahead + knobs.poll_ms))
+                        .max(calm)
+                };
+                RecordSpec {
+                    kind: RecordKind::Ordinary {
+                        destination: d.range(0, destinations as u64 - 1) as usize,
+                    },
+                    due_ms: due as i64,
+                    insert_at_ms,
+                    header_bytes: 0,
+                    on_time: true,
+                }
+            })
+            .collect()
     }
 
     /// The operator's actions of `seed`, from a generator of their own (so that the rest of
