@@ -138,6 +138,9 @@ pub enum DownMode {
     Hang,
 }
 
+/// How long a client takes to find a silent link dead (two missed heartbeats of 60 s).
+pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// The model-wide behaviour, drawn by the simulation per seed.
 #[derive(Debug, Clone)]
 pub struct Behaviour {
@@ -171,7 +174,7 @@ impl Default for Behaviour {
             block: BlockMode::OnNextPublish,
             socket_buffer: 1 << 20,
             nack_rate: 0.0,
-            dead_peer_timeout: Duration::from_secs(120),
+            dead_peer_timeout: DEAD_PEER_TIMEOUT,
         }
     }
 }

@@ -396,7 +396,7 @@ impl Scenario {
         };
         let mut records = records;
         Self::draw_frames(seed, &mut knobs, &mut records);
-        let on_time = Self::draw_on_time(seed, &knobs, destinations.len(), faults_end_ms);
+        let on_time = Self::draw_on_time(seed, &knobs, destinations.len(), &faults, faults_end_ms);
         records.extend(on_time);
         Scenario {
             seed,
@@ -439,12 +439,24 @@ impl Scenario {
     /// ([`timeoutd::store::pacing::RETRY_CAP`] and its `operation_timeout`); beside it a
     /// reconnect's back-off or the hold-off after unconfirmed publishes (10 s), a server
     /// clock reading taken before the faults stopped (the monitor's 15 s), a replaced
-    /// instance's start-up and a stopped one's drain.
+    /// instance's start-up and a stopped one's drain. After a RabbitMQ node hung, a link to
+    /// it stays silent until the client's dead-peer timeout
+    /// ([`crate::sim::rabbit::DEAD_PEER_TIMEOUT`]): a publish on it waits for its deadline,
+    /// and what is held waits with it.
     pub fn calm_from_ms(&self) -> u64 {
         let k = &self.knobs;
         let paced = timeoutd::store::pacing::RETRY_CAP.as_millis() as u64 + k.op_timeout_ms;
         let calls = 2 * (k.op_timeout_ms + k.publish_timeout_ms + k.connect_timeout_ms);
-        self.faults_end_ms + paced.max(15_000) + calls + k.shutdown_timeout_ms
+        let hung = self
+            .faults
+            .iter()
+            .any(|f| matches!(&f.kind, FaultKind::RabbitModel { name, .. } if name == "node_hang"));
+        let dead_peer = if hung {
+            crate::sim::rabbit::DEAD_PEER_TIMEOUT.as_millis() as u64
+        } else {
+            0
+        };
+        self.faults_end_ms + paced.max(15_000).max(dead_peer) + calls + k.shutdown_timeout_ms
     }
 
     /// How late a record due in the calm may reach the broker, in ms: a claim reads
@@ -466,6 +478,7 @@ impl Scenario {
         seed: u64,
         knobs: &Knobs,
         destinations: usize,
+        faults: &[Fault],
         faults_end_ms: u64,
     ) -> Vec<RecordSpec> {
         let mut d = Draw::new(seed ^ 0x0_0717_E000);
@@ -479,7 +492,7 @@ impl Scenario {
             instances: Vec::new(),
             destinations: Vec::new(),
             records: Vec::new(),
-            faults: Vec::new(),
+            faults: faults.to_vec(),
             actions: Vec::new(),
             reschedule_on_read: 0.0,
             faults_end_ms,
