@@ -419,7 +419,7 @@ impl Dispatcher {
         // A refused send may be released for a retry too.
         let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
         self.spawn(Role::Settle, async move {
-            work.run(&settler).await;
+            settler.run(work).await;
             Done::Settled { refused, released }
         });
     }

@@ -4,28 +4,14 @@
 //! about. It reads no clock (every call is given [`Now`]) and spawns nothing; the driver
 //! (`driver.rs`) runs its commands as tasks and feeds their results back.
 //!
-//! One record's path through it:
-//! 1. **Claim.** When a claim is due and may start ([`Machine::can_claim`]), `Read` names the
-//!    destinations to leave out. The candidates come back ([`Input::Candidates`]); `Take`
-//!    leases them, at once, or, while a wave waits for its broker's first answer, once that
-//!    answer came ([`Input::Answered`]): an instance whose broker stalled hoards nothing.
-//! 2. **Triage** ([`Input::Claimed`]): a row that does not decode or has no destination is
-//!    parked; the rest wait in [`Held`], soonest first, as [`Leased`].
-//! 3. **Wave.** When records fall due and the link is idle, each is checked against the
-//!    lease margin, held back by pauses and rate limits ([`Control`]), built into a message
-//!    against the open connection's `frame_max` (a record no message can carry is parked),
-//!    and the wave goes out in one `Publish`; the link is then [`Link::Publishing`] until
-//!    [`Input::WaveSent`], or its deadline makes the machine say `StopWaiting`.
-//! 4. **Settle.** Each record's outcome queues one [`Settle`]: confirmed ones are removed,
-//!    refused ones retried or parked, the rest released. The queue is bounded: while two
-//!    batches wait in it, no claim starts.
+//! `ARCHITECTURE.md` ("One record, from claim to delete") follows one record through it.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
-use bson::{Bson, DateTime};
+use bson::{Bson, DateTime, Document};
 
 use super::control::Control;
 use super::leased::{Held, Leased, instant_of, triage};
@@ -327,11 +313,15 @@ impl Machine {
 
     /// Records this instance holds under a lease and has not settled: held and in flight.
     pub fn leases_held(&self) -> usize {
-        let in_flight = match &self.link {
+        self.held.len() + self.in_flight()
+    }
+
+    /// The records of the wave in flight.
+    fn in_flight(&self) -> usize {
+        match &self.link {
             Link::Publishing(w) => w.records.len(),
             _ => 0,
-        };
-        self.held.len() + in_flight
+        }
     }
 
     /// Whether it holds what its own `max_rate` lets it send: records wait by design.
@@ -554,10 +544,15 @@ impl Machine {
         }
         self.release(held, "shutdown");
         self.end_gate(false, now.at);
-        let limit = crate::deadline::later(now.at, self.config.dispatch.shutdown_timeout);
+        let limit = self.shutdown_limit(now.at);
         if let Link::Publishing(w) = &mut self.link {
             w.deadline = w.deadline.min(limit);
         }
+    }
+
+    /// How long the wave in flight is waited for after shutdown began.
+    fn shutdown_limit(&self, began: Instant) -> Instant {
+        crate::deadline::later(began, self.config.dispatch.shutdown_timeout)
     }
 
     /// Follows `connection.blocked` and `connection.unblocked`: while blocked nothing is
@@ -663,27 +658,26 @@ impl Machine {
     /// The wait of a gated claim is over: it takes its candidates (`take`), or takes nothing
     /// (the wave ended unanswered, or shutdown). A claim still reading learns it too.
     fn end_gate(&mut self, take: bool, at: Instant) {
-        if let Step::Reading { gate, .. } = &mut self.claims.step
-            && *gate == Gate::Waiting
-        {
-            *gate = if take { Gate::Open } else { Gate::Shut };
-        }
-        if !matches!(self.claims.step, Step::Gated { .. }) {
-            return;
-        }
-        let Step::Gated {
-            started,
-            spent,
-            candidates,
-        } = std::mem::replace(&mut self.claims.step, Step::Idle)
-        else {
-            return;
-        };
-        // The claim's duration leaves the wait out.
-        if take {
-            self.take(started, spent, candidates, at);
-        } else {
-            self.claims.finished(started, candidates.more(), at);
+        match std::mem::replace(&mut self.claims.step, Step::Idle) {
+            Step::Reading {
+                started,
+                gate: Gate::Waiting,
+            } => {
+                let gate = if take { Gate::Open } else { Gate::Shut };
+                self.claims.step = Step::Reading { started, gate };
+            }
+            // The claim's duration leaves the wait out.
+            Step::Gated {
+                started,
+                spent,
+                candidates,
+            } if take => self.take(started, spent, candidates, at),
+            Step::Gated {
+                started,
+                candidates,
+                ..
+            } => self.claims.finished(started, candidates.more(), at),
+            step => self.claims.step = step,
         }
     }
 
@@ -721,7 +715,7 @@ impl Machine {
         m::claimed(claim.rows.len());
         if self.stopping.is_some() {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
-            return self.release_ids(rows, "shutdown");
+            return self.settle.release(rows, "shutdown");
         }
         for row in claim.rows {
             match triage(row.record) {
@@ -732,15 +726,7 @@ impl Machine {
                     lease,
                 }),
                 Err((reason, error)) => {
-                    let poison = Failure::poison(reason, error);
-                    m::skipped(poison.reason.as_str(), 1);
-                    self.settle.push(Settle::Park {
-                        id: row.id,
-                        raw: Box::new(row.raw),
-                        destination: String::new(),
-                        lease,
-                        failure: poison,
-                    });
+                    self.park(row.id, row.raw, String::new(), lease, reason, error)
                 }
             }
         }
@@ -759,7 +745,7 @@ impl Machine {
             .control
             .hold_back(due, now.at, now.earliest, now.latest);
         for (ids, reason) in sorted.release {
-            self.release_ids(ids, reason);
+            self.settle.release(ids, reason);
         }
         for (r, at_ms) in sorted.later {
             self.held.defer(r, at_ms);
@@ -779,20 +765,21 @@ impl Machine {
                     records.push(r);
                 }
                 Err(unsendable) => {
-                    m::skipped("unsendable", 1);
-                    self.settle.push(Settle::Park {
-                        id: r.id,
-                        destination: r.record.destination.clone(),
-                        raw: Box::new(r.raw),
-                        lease: r.lease,
-                        failure: Failure::poison(ParkReason::Unsendable, unsendable.to_string()),
-                    });
+                    let (destination, error) = (r.record.destination, unsendable.to_string());
+                    self.park(
+                        r.id,
+                        r.raw,
+                        destination,
+                        r.lease,
+                        ParkReason::Unsendable,
+                        error,
+                    );
                 }
             }
         }
         if !too_late.is_empty() {
             m::skipped("margin", too_late.len());
-            self.release_ids(too_late, "margin");
+            self.settle.release(too_late, "margin");
         }
         if messages.is_empty() {
             return None;
@@ -802,20 +789,16 @@ impl Machine {
             .iter()
             .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
             .collect();
+        let deadline = crate::deadline::later(now.at, self.config.rabbitmq.publish_timeout);
+        let limit = self.stopping.map(|began| self.shutdown_limit(began));
         self.link = Link::Publishing(Wave {
             records,
             message_ids,
             started: now.at,
-            deadline: crate::deadline::later(now.at, self.config.rabbitmq.publish_timeout),
+            deadline: limit.map_or(deadline, |l| deadline.min(l)),
             stopped: false,
             answered: false,
         });
-        if let Some(began) = self.stopping {
-            let limit = crate::deadline::later(began, self.config.dispatch.shutdown_timeout);
-            if let Link::Publishing(w) = &mut self.link {
-                w.deadline = w.deadline.min(limit);
-            }
-        }
         Some(Command::Publish {
             messages,
             frame_max,
@@ -906,7 +889,7 @@ impl Machine {
         // seed 5067: sent again 2 ms after the wave gave up on them).
         let again = self.held.take_matching(|h| unknown.contains(&h.id));
         failed.extend(again.into_iter().map(|r| (r.id, r.lease)));
-        self.release_ids(failed, "publish_failed");
+        self.settle.release(failed, "publish_failed");
         if !unknown.is_empty() {
             // A link that withholds confirms must not get the same records again at once, and
             // gets them later and later while it goes on withholding them: its own back-off,
@@ -921,16 +904,33 @@ impl Machine {
 
     /// Queues the release of records this instance holds, ahead of other settling.
     fn release(&mut self, records: Vec<Leased>, reason: &'static str) {
-        self.release_ids(
-            records.into_iter().map(|r| (r.id, r.lease)).collect(),
-            reason,
-        );
+        let held = records.into_iter().map(|r| (r.id, r.lease)).collect();
+        self.settle.release(held, reason);
     }
 
-    fn release_ids(&mut self, held: Vec<(Bson, Lease)>, reason: &'static str) {
-        for work in Settle::releases(held, reason) {
-            self.settle.push(work);
-        }
+    /// Queues the parking of a record no attempt can fix.
+    fn park(
+        &mut self,
+        id: Bson,
+        raw: Document,
+        destination: String,
+        lease: Lease,
+        reason: ParkReason,
+        error: String,
+    ) {
+        m::skipped(reason.as_str(), 1);
+        let failure = Failure {
+            reason,
+            error,
+            attempts: 0,
+        };
+        self.settle.push(Settle::Park {
+            id,
+            raw: Box::new(raw),
+            destination,
+            lease,
+            failure,
+        });
     }
 }
 
@@ -940,11 +940,7 @@ impl Machine {
 /// again after the lease. They are counted as possible duplicates.
 impl Drop for Machine {
     fn drop(&mut self) {
-        let in_flight = match &self.link {
-            Link::Publishing(w) => w.records.len(),
-            _ => 0,
-        };
-        let unsettled = self.settle.unremoved() + in_flight;
+        let unsettled = self.settle.unremoved() + self.in_flight();
         if unsettled > 0 {
             tracing::warn!(
                 records = unsettled,
