@@ -98,7 +98,7 @@ impl Dispatcher {
         shutdown: CancellationToken,
         signals: Signals,
     ) -> Self {
-        let machine = Machine::new(config.clone(), health.clone(), false, Instant::now());
+        let machine = Machine::new(config.clone(), health.clone(), Instant::now());
         let settler = Settler {
             store: claims.store().clone(),
             retry: config.retry.clone(),

@@ -31,6 +31,8 @@ use crate::store::lease::{Lease, PrePublish};
 use crate::store::pacing::Pacing;
 use crate::store::parking::ParkReason;
 
+const BLOCKED: &str = "releasing claimed records: RabbitMQ blocks the connection";
+
 /// Most settling tasks at once.
 pub const MAX_SETTLING: usize = 8;
 
@@ -260,8 +262,7 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// `history`: whether confirmed waves are recorded (`[history] keep`).
-    pub fn new(config: Arc<Config>, health: Arc<Health>, history: bool, at: Instant) -> Self {
+    pub fn new(config: Arc<Config>, health: Arc<Health>, at: Instant) -> Self {
         Self {
             claims: Claims {
                 poll: config.dispatch.poll_interval,
@@ -281,7 +282,7 @@ impl Machine {
             held: Held::default(),
             settle: SettleQueue::default(),
             settling: 0,
-            history,
+            history: false,
             stopping: None,
             drained: false,
             outbox: VecDeque::new(),
@@ -535,14 +536,10 @@ impl Machine {
     /// flight is waited for at most `shutdown_timeout`.
     fn on_shutdown(&mut self, now: &Now) {
         self.stopping = Some(now.at);
-        let held = self.held.take_all();
-        if !held.is_empty() {
-            tracing::info!(
-                records = held.len(),
-                "shutdown: releasing claimed records not yet sent"
-            );
-        }
-        self.release(held, "shutdown");
+        self.release_held(
+            "shutdown",
+            "shutdown: releasing claimed records not yet sent",
+        );
         self.end_gate(false, now.at);
         let limit = self.shutdown_limit(now.at);
         if let Link::Publishing(w) = &mut self.link {
@@ -568,20 +565,18 @@ impl Machine {
             tracing::warn!(
                 "RabbitMQ blocked the connection (memory or disk alarm): not claiming until it unblocks"
             );
-            self.release_blocked();
+            self.release_held("blocked", BLOCKED);
         } else {
             tracing::info!("RabbitMQ unblocked the connection; claiming again");
         }
     }
 
-    fn release_blocked(&mut self) {
+    /// Releases every held record, saying `why` when there are some.
+    fn release_held(&mut self, reason: &'static str, why: &str) {
         let held = self.held.take_all();
         if !held.is_empty() {
-            tracing::info!(
-                records = held.len(),
-                "releasing claimed records: RabbitMQ blocks the connection"
-            );
-            self.release(held, "blocked");
+            tracing::info!(records = held.len(), "{why}");
+            self.release(held, reason);
         }
     }
 
@@ -731,7 +726,7 @@ impl Machine {
             }
         }
         if self.blocked {
-            self.release_blocked();
+            self.release_held("blocked", BLOCKED);
         }
     }
 

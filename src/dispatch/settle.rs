@@ -226,7 +226,10 @@ impl Settler {
                 destination,
                 lease,
                 failure,
-            } => (self.park(&id, &raw, &destination, lease.owner, &failure)).await,
+            } => {
+                self.park(&id, &raw, &destination, lease.owner, &failure)
+                    .await
+            }
         }
     }
 
