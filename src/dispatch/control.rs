@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::time::Instant;
 
 use bson::{Bson, DateTime};
@@ -106,10 +105,8 @@ impl Control {
                 excluded.push(d.clone());
             }
         }
-        let d = &self.config.dispatch;
-        let window = d.claim_window().as_secs_f64();
-        let limited = d
-            .destination
+        let limits = &self.config.dispatch.destination;
+        let limited = limits
             .iter()
             .map(|l| l.name.clone())
             .chain(self.snapshot.ramps.keys().cloned());
@@ -118,8 +115,7 @@ impl Control {
             let rate = self
                 .limits
                 .destination_rate(&name, ramp, server.timestamp_millis());
-            if let Some(rate) = rate
-                && held.count_of(&name) as f64 >= (rate * window).max(1.0)
+            if rate.is_some_and(|r| self.enough(held.count_of(&name), r))
                 && !excluded.contains(&name)
             {
                 excluded.push(name);
@@ -131,10 +127,15 @@ impl Control {
     /// Whether this instance holds what its own `max_rate` lets it send over a poll
     /// interval and the look-ahead: then it claims nothing more for now.
     pub fn saturated(&self, held: usize) -> bool {
-        let d = &self.config.dispatch;
-        let window = d.claim_window().as_secs_f64();
-        d.max_rate
-            .is_some_and(|r| held as f64 >= (r * window).max(1.0))
+        let max_rate = self.config.dispatch.max_rate;
+        max_rate.is_some_and(|r| self.enough(held, r))
+    }
+
+    /// Whether `held` records are what `rate` lets this instance send over a poll interval
+    /// and the look-ahead.
+    fn enough(&self, held: usize, rate: f64) -> bool {
+        let window = self.config.dispatch.claim_window().as_secs_f64();
+        held as f64 >= (rate * window).max(1.0)
     }
 
     /// Sorts the records that fell due: sendable now, or held back by a pause (released) or
@@ -176,31 +177,25 @@ impl Control {
                     if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
                         outlasting.push((r.id, r.lease));
                     } else {
-                        sorted.later.push((r, now_ms.saturating_add(wait_ms(wait))));
+                        // In whole milliseconds, at least one.
+                        let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
+                        sorted.later.push((r, now_ms.saturating_add(ms)));
                     }
                     continue;
                 }
             }
             sorted.send.push(r);
         }
-        if !paused.is_empty() {
-            m::held_back("paused", paused.len());
-            m::skipped("paused", paused.len());
-            sorted.release.push((paused, "paused"));
-        }
-        if !outlasting.is_empty() {
-            m::held_back("rate_limit", outlasting.len());
-            m::skipped("rate_limit", outlasting.len());
-            sorted.release.push((outlasting, "rate_limit"));
+        for (released, reason) in [(paused, "paused"), (outlasting, "rate_limit")] {
+            if !released.is_empty() {
+                m::held_back(reason, released.len());
+                m::skipped(reason, released.len());
+                sorted.release.push((released, reason));
+            }
         }
         if !sorted.later.is_empty() {
             m::held_back("rate_limit", sorted.later.len());
         }
         sorted
     }
-}
-
-/// A wait in whole milliseconds, at least one.
-fn wait_ms(wait: Duration) -> i64 {
-    i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1)
 }

@@ -83,8 +83,8 @@ pub struct Dispatcher {
     roles: HashMap<Id, Role>,
     /// The wave in flight's tokens.
     wave: Option<WaveTokens>,
+    /// What settling runs against, history's sink among it.
     settler: Settler,
-    history: Option<HistorySink>,
     failed: Option<String>,
 }
 
@@ -122,7 +122,6 @@ impl Dispatcher {
             roles: HashMap::new(),
             wave: None,
             settler,
-            history: None,
             failed: None,
         }
     }
@@ -130,8 +129,7 @@ impl Dispatcher {
     /// Records what fires and what is parked through `sink` (`[history] keep`).
     pub fn with_history(mut self, sink: Option<HistorySink>) -> Self {
         self.machine.record_history(sink.is_some());
-        self.settler.history = sink.clone();
-        self.history = sink;
+        self.settler.history = sink;
         self
     }
 
@@ -396,7 +394,7 @@ impl Dispatcher {
             }
             Command::Settle(work) => self.settle(work),
             Command::History(rows) => {
-                if let Some(sink) = &self.history {
+                if let Some(sink) = &self.settler.history {
                     sink.record(rows);
                 }
             }
