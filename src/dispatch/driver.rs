@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Command, Input, Link, Machine, Now};
+use super::machine::{Command, Input, Machine, Now};
 use super::settle::{Settle, Settler};
 use super::{DispatchError, Signals};
 use crate::config::Config;
@@ -207,13 +207,10 @@ impl Dispatcher {
         if let Some(input) = input {
             self.machine.handle(input, &now);
         }
+        // The machine heeds each only when it changes something.
         let blocked = self.watch.blocked();
-        if blocked != self.machine.is_blocked() {
-            self.machine.handle(Input::Blocked(blocked), &now);
-        }
-        if matches!(self.machine.link(), Link::Idle { .. })
-            && self.publisher.as_ref().is_some_and(|p| !p.is_connected())
-        {
+        self.machine.handle(Input::Blocked(blocked), &now);
+        if self.publisher.as_ref().is_some_and(|p| !p.is_connected()) {
             self.machine.handle(Input::LinkLost, &now);
         }
         while let Some(command) = self.machine.poll_command(&now) {
@@ -413,7 +410,10 @@ impl Dispatcher {
 
     fn settle(&mut self, work: Settle) {
         let settler = self.settler.clone();
-        let refused = work.refused_destination();
+        let refused = match &work {
+            Settle::Refused { leased, .. } => Some(leased.record.destination.clone()),
+            _ => None,
+        };
         // A refused send may be released for a retry too.
         let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
         self.spawn(Role::Settle, async move {
@@ -585,7 +585,6 @@ mod tests {
         );
         status.set_blocked(true);
         d.turn(Some(connected));
-        assert!(d.machine.is_blocked(), "the loop sees the new link blocked");
         let readiness = d.health.readiness();
         assert!(
             readiness

@@ -60,9 +60,9 @@ pub enum Input {
     Inserted,
     /// The pauses and ramps in force (the same `Arc` again is no change).
     Control(Arc<Snapshot>),
-    /// The broker blocked (`true`) or unblocked the open connection.
+    /// Whether the broker blocks the open connection (only a change counts).
     Blocked(bool),
-    /// The idle link was found closed.
+    /// The link was found closed (heeded only while it is idle).
     LinkLost,
     /// A connect ended: the connection's `frame_max`, or why it failed.
     Connected(Result<u32, PublishError>),
@@ -294,17 +294,9 @@ impl Machine {
         self.history = on;
     }
 
-    pub fn link(&self) -> &Link {
-        &self.link
-    }
-
     /// Whether it was told of shutdown.
     pub fn is_stopping(&self) -> bool {
         self.stopping.is_some()
-    }
-
-    pub fn is_blocked(&self) -> bool {
-        self.blocked
     }
 
     /// Whether a wave waits for the broker's first answer.
@@ -342,10 +334,8 @@ impl Machine {
 
     /// Whether a claim may start once its time comes: the link is up and not blocked by the
     /// broker, no claim is running, and fewer than two batches are held and fewer than two
-    /// wait to settle (a destination that refuses every send makes settling work as fast as
-    /// claims make records: the claims wait for it, so that nothing waits to settle until its
-    /// lease runs out; two, so that while one batch of refusals settles, a claim that leaves
-    /// their destination out still serves the others).
+    /// wait to settle ([`SettleQueue`] says why; two, so that while one batch of refusals
+    /// settles, a claim that leaves their destination out still serves the others).
     pub fn can_claim(&self) -> bool {
         let cap = 2 * self.config.dispatch.batch_size as usize;
         matches!(self.link, Link::Idle { .. } | Link::Publishing(_))
@@ -720,9 +710,7 @@ impl Machine {
                     record,
                     lease,
                 }),
-                Err((reason, error)) => {
-                    self.park(row.id, row.raw, String::new(), lease, reason, error)
-                }
+                Err(why) => self.park(row.id, row.raw, String::new(), lease, why),
             }
         }
         if self.blocked {
@@ -759,16 +747,9 @@ impl Machine {
                     messages.push(m);
                     records.push(r);
                 }
-                Err(unsendable) => {
-                    let (destination, error) = (r.record.destination, unsendable.to_string());
-                    self.park(
-                        r.id,
-                        r.raw,
-                        destination,
-                        r.lease,
-                        ParkReason::Unsendable,
-                        error,
-                    );
+                Err(e) => {
+                    let why = (ParkReason::Unsendable, e.to_string());
+                    self.park(r.id, r.raw, r.record.destination, r.lease, why);
                 }
             }
         }
@@ -903,16 +884,16 @@ impl Machine {
         self.settle.release(held, reason);
     }
 
-    /// Queues the parking of a record no attempt can fix.
+    /// Queues the parking of a record no attempt can fix, with why.
     fn park(
         &mut self,
         id: Bson,
         raw: Document,
         destination: String,
         lease: Lease,
-        reason: ParkReason,
-        error: String,
+        why: (ParkReason, String),
     ) {
+        let (reason, error) = why;
         m::skipped(reason.as_str(), 1);
         let failure = Failure {
             reason,

@@ -76,14 +76,6 @@ impl Settle {
             Settle::Refused { .. } | Settle::Park { .. } => 2,
         }
     }
-
-    /// The destination of a refused send this work retries or parks.
-    pub fn refused_destination(&self) -> Option<String> {
-        match self {
-            Settle::Refused { leased, .. } => Some(leased.record.destination.clone()),
-            _ => None,
-        }
-    }
 }
 
 /// Settling work waiting for a slot, in one queue: releases first (a released record is one
