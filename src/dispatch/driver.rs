@@ -137,16 +137,16 @@ impl Dispatcher {
     /// in flight (at most `shutdown_timeout`) and for the settling it started, closes the
     /// broker connection and returns. Returns an error if the machine panicked.
     pub async fn run(mut self) -> Result<(), DispatchError> {
-        let mut input = Some(Input::Control(self.control.get()));
+        let mut input = Input::Control(self.control.get());
         loop {
             self.health.beat();
-            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(input.take())));
+            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(input)));
             let now = match turn {
                 Ok(now) => now,
                 Err(panic) if self.contain(panic.as_ref()) => break,
                 // Failed: it stops at once, releasing what it holds.
                 Err(_) => {
-                    let stop = AssertUnwindSafe(|| self.step(Some(Input::Shutdown)));
+                    let stop = AssertUnwindSafe(|| self.step(Input::Shutdown));
                     match std::panic::catch_unwind(stop) {
                         Ok(now) => now,
                         Err(panic) => {
@@ -159,7 +159,7 @@ impl Dispatcher {
             if self.machine.is_done() {
                 break;
             }
-            input = Some(self.next_input(&now).await);
+            input = self.next_input(&now).await;
             // Tests only: an await that does not return, as an unbounded call would.
             #[cfg(feature = "failpoints")]
             if let Some(Some(ms)) = fail::eval("dispatch-loop-stall", |arg| {
@@ -191,10 +191,10 @@ impl Dispatcher {
     }
 
     /// One turn of the loop.
-    fn turn(&mut self, input: Option<Input>) -> Now {
+    fn turn(&mut self, input: Input) -> Now {
         // Tests only: a handler that panics (supervision tests).
         #[cfg(feature = "failpoints")]
-        if input.is_some() && fail::eval("dispatch-handler-panic", |_| ()).is_some() {
+        if fail::eval("dispatch-handler-panic", |_| ()).is_some() {
             panic!("failpoint dispatch-handler-panic");
         }
         self.step(input)
@@ -202,11 +202,9 @@ impl Dispatcher {
 
     /// Hands the machine `input` and what the driver sees of the link, then runs every
     /// command it gives. Never awaits.
-    fn step(&mut self, input: Option<Input>) -> Now {
+    fn step(&mut self, input: Input) -> Now {
         let now = self.now();
-        if let Some(input) = input {
-            self.machine.handle(input, &now);
-        }
+        self.machine.handle(input, &now);
         // The machine heeds each only when it changes something.
         let blocked = self.watch.blocked();
         self.machine.handle(Input::Blocked(blocked), &now);
@@ -584,7 +582,7 @@ mod tests {
             "{connected:?}"
         );
         status.set_blocked(true);
-        d.turn(Some(connected));
+        d.turn(connected);
         let readiness = d.health.readiness();
         assert!(
             readiness

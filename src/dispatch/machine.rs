@@ -202,10 +202,6 @@ struct Claims {
 }
 
 impl Claims {
-    fn is_due(&self, at: Instant) -> bool {
-        matches!(self.step, Step::Idle) && at >= self.next_at()
-    }
-
     fn next_at(&self) -> Instant {
         self.next_at.max(self.not_before)
     }
@@ -479,7 +475,8 @@ impl Machine {
                 Link::Opening | Link::Publishing(_) => {}
             }
         }
-        if self.can_claim() && self.claims.is_due(now.at) {
+        // `can_claim` says no claim is running.
+        if self.can_claim() && now.at >= self.claims.next_at() {
             let gate = match &self.link {
                 Link::Publishing(w) if !w.answered && w.stopped => Gate::Shut,
                 Link::Publishing(w) if !w.answered => Gate::Waiting,
