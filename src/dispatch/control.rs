@@ -7,26 +7,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::time::Instant;
 
-use bson::{Bson, DateTime};
+use bson::DateTime;
 
 use super::leased::{Held, Leased};
+use super::settle::SettleQueue;
 use crate::config::Config;
 use crate::dispatch::ratelimit::RateLimits;
 use crate::metrics as m;
 use crate::store::control::Snapshot;
-use crate::store::lease::{self, Lease, PrePublish};
-
-/// The due records of one wave, sorted by what holds them back.
-#[derive(Debug, Default)]
-pub struct Sorted {
-    /// Sendable now.
-    pub send: Vec<Leased>,
-    /// Of a paused destination, or whose rate-limit token comes too late for the lease: to
-    /// release, with the reason.
-    pub release: Vec<(Vec<(Bson, Lease)>, &'static str)>,
-    /// Waiting for a rate-limit token: to hold again until `at_ms` (server clock).
-    pub later: Vec<(Leased, i64)>,
-}
+use crate::store::lease::{self, PrePublish};
 
 /// Pauses, ramps, rate limits and refusing destinations, as this instance applies them.
 #[derive(Debug)]
@@ -53,11 +42,11 @@ impl Control {
         }
     }
 
-    /// Takes in new pauses and ramps. Returns the held records of destinations paused now,
-    /// to release; `None` when `snapshot` is the one already applied.
-    pub fn apply(&mut self, snapshot: Arc<Snapshot>, held: &mut Held) -> Option<Vec<Leased>> {
+    /// Takes in new pauses and ramps, and releases the held records of destinations paused
+    /// now. `false` when `snapshot` is the one already applied.
+    pub fn apply(&mut self, snapshot: Arc<Snapshot>, held: &mut Held, q: &mut SettleQueue) -> bool {
         if Arc::ptr_eq(&snapshot, &self.snapshot) {
-            return None;
+            return false;
         }
         self.snapshot = snapshot;
         let paused = &self.snapshot.paused;
@@ -71,7 +60,8 @@ impl Control {
             m::held_back("paused", taken.len());
             m::skipped("paused", taken.len());
         }
-        Some(taken)
+        q.release_all(taken, "paused");
+        true
     }
 
     /// The broker refused sends to `destinations` (at the end of a wave, and again as each
@@ -138,28 +128,30 @@ impl Control {
         held as f64 >= (rate * window).max(1.0)
     }
 
-    /// Sorts the records that fell due: sendable now, or held back by a pause (released) or
-    /// by a rate limit (held until a token comes, or released when the token would come too
-    /// late for the lease). `now` is the earliest the server's clock can read, `latest` the
-    /// latest, `at` the monotonic instant.
+    /// Returns the records that fell due and may be sent now; holds back the others: those of
+    /// a paused destination are released, those waiting for a rate-limit token held again until
+    /// it comes (or released when it would come too late for the lease). `now` is the earliest
+    /// the server's clock can read, `latest` the latest, `at` the monotonic instant.
     pub fn hold_back(
         &mut self,
         due: Vec<Leased>,
+        held: &mut Held,
+        q: &mut SettleQueue,
         at: Instant,
         now: DateTime,
         latest: DateTime,
-    ) -> Sorted {
+    ) -> Vec<Leased> {
         let snapshot = self.snapshot.clone();
         let rated = self.limits.any(!snapshot.ramps.is_empty());
         let now_ms = now.timestamp_millis();
         let margin = self.config.dispatch.lease_safety_margin;
-        let mut sorted = Sorted::default();
+        let (mut send, mut later) = (Vec::new(), 0);
         let mut paused = Vec::new();
         let mut outlasting = Vec::new();
         for r in due {
             let destination = r.record.destination.as_str();
             if snapshot.paused.iter().any(|p| p == destination) {
-                paused.push((r.id, r.lease));
+                paused.push(r);
                 continue;
             }
             if rated {
@@ -175,27 +167,28 @@ impl Control {
                     // The wave's own pre-publish check, at the instant the token comes.
                     let token_at = lease::add(latest, wait);
                     if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
-                        outlasting.push((r.id, r.lease));
+                        outlasting.push(r);
                     } else {
                         // In whole milliseconds, at least one.
                         let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
-                        sorted.later.push((r, now_ms.saturating_add(ms)));
+                        held.defer(r, now_ms.saturating_add(ms));
+                        later += 1;
                     }
                     continue;
                 }
             }
-            sorted.send.push(r);
+            send.push(r);
         }
         for (released, reason) in [(paused, "paused"), (outlasting, "rate_limit")] {
             if !released.is_empty() {
                 m::held_back(reason, released.len());
                 m::skipped(reason, released.len());
-                sorted.release.push((released, reason));
+                q.release_all(released, reason);
             }
         }
-        if !sorted.later.is_empty() {
-            m::held_back("rate_limit", sorted.later.len());
+        if later > 0 {
+            m::held_back("rate_limit", later);
         }
-        sorted
+        send
     }
 }

@@ -375,8 +375,10 @@ impl Machine {
             Input::Shutdown => self.on_shutdown(now),
             Input::Inserted => self.claims.wake(now.at),
             Input::Control(snapshot) => {
-                if let Some(paused) = self.control.apply(snapshot, &mut self.held) {
-                    self.release(paused, "paused");
+                if self
+                    .control
+                    .apply(snapshot, &mut self.held, &mut self.settle)
+                {
                     self.claims.wake(now.at);
                 }
             }
@@ -398,7 +400,7 @@ impl Machine {
                 {
                     // The wave's outcomes are unknown: possible duplicates.
                     m::possible_duplicates(m::DUPLICATE_PANIC, wave.records.len());
-                    self.release(wave.records, "publish_failed");
+                    self.settle.release_all(wave.records, "publish_failed");
                     self.end_gate(false, now.at);
                 }
             }
@@ -469,7 +471,7 @@ impl Machine {
                     for _ in &due {
                         m::publish_failure("connection");
                     }
-                    self.release(due, "publish_failed");
+                    self.settle.release_all(due, "publish_failed");
                     return self.poll_command(now);
                 }
                 Link::Opening | Link::Publishing(_) => {}
@@ -563,7 +565,7 @@ impl Machine {
         let held = self.held.take_all();
         if !held.is_empty() {
             tracing::info!(records = held.len(), "{why}");
-            self.release(held, reason);
+            self.settle.release_all(held, reason);
         }
     }
 
@@ -721,19 +723,14 @@ impl Machine {
     fn wave(&mut self, frame_max: u32, now: &Now) -> Option<Command> {
         let margin = self.config.dispatch.lease_safety_margin;
         let due = self.held.take_due(now.earliest);
-        let sorted = self
+        let (held, settle) = (&mut self.held, &mut self.settle);
+        let send = self
             .control
-            .hold_back(due, now.at, now.earliest, now.latest);
-        for (ids, reason) in sorted.release {
-            self.settle.release(ids, reason);
-        }
-        for (r, at_ms) in sorted.later {
-            self.held.defer(r, at_ms);
-        }
+            .hold_back(due, held, settle, now.at, now.earliest, now.latest);
         let mut too_late = Vec::new();
         let mut messages = Vec::new();
         let mut records = Vec::new();
-        for r in sorted.send {
+        for r in send {
             // The lease left by the latest the server's clock can read.
             if r.lease.before_publish(now.latest, margin) != PrePublish::Publish {
                 too_late.push((r.id, r.lease));
@@ -873,12 +870,6 @@ impl Machine {
         } else if any_confirmed {
             self.claims.unconfirmed.reset();
         }
-    }
-
-    /// Queues the release of records this instance holds, ahead of other settling.
-    fn release(&mut self, records: Vec<Leased>, reason: &'static str) {
-        let held = records.into_iter().map(|r| (r.id, r.lease)).collect();
-        self.settle.release(held, reason);
     }
 
     /// Queues the parking of a record no attempt can fix, with why.

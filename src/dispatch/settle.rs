@@ -127,6 +127,14 @@ impl SettleQueue {
         }
     }
 
+    /// Queues the release of records this instance holds.
+    pub fn release_all(&mut self, records: Vec<Leased>, reason: &'static str) {
+        self.release(
+            records.into_iter().map(|r| (r.id, r.lease)).collect(),
+            reason,
+        );
+    }
+
     /// The next work to run.
     pub fn pop(&mut self) -> Option<Settle> {
         self.work.pop_front()
