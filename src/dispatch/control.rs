@@ -142,7 +142,6 @@ impl Control {
         latest: DateTime,
     ) -> Vec<Leased> {
         let snapshot = self.snapshot.clone();
-        let rated = self.limits.any(!snapshot.ramps.is_empty());
         let now_ms = now.timestamp_millis();
         let margin = self.config.dispatch.lease_safety_margin;
         let (mut send, mut later) = (Vec::new(), 0);
@@ -154,30 +153,27 @@ impl Control {
                 paused.push(r);
                 continue;
             }
-            if rated {
-                let ramp = snapshot.ramps.get(destination);
-                let rate = self.limits.destination_rate(destination, ramp, now_ms);
-                if let Err(wait) = self.limits.take(destination, rate, at) {
-                    // Held only while its token comes within the lease: a record held past
-                    // it would sit here on a dead lease, out of every claim's reach (this
-                    // instance leaves the destination out while it holds some), until its
-                    // turn found it too late (simulation seed 102: 87 records at 2 a second
-                    // under a 3 s lease stalled for 26 s at a time). Released now, a later
-                    // claim, here or on another instance, takes it again.
-                    // The wave's own pre-publish check, at the instant the token comes.
-                    let token_at = lease::add(latest, wait);
-                    if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
-                        outlasting.push(r);
-                    } else {
-                        // In whole milliseconds, at least one.
-                        let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
-                        held.defer(r, now_ms.saturating_add(ms));
-                        later += 1;
-                    }
-                    continue;
-                }
+            let ramp = snapshot.ramps.get(destination);
+            let rate = self.limits.destination_rate(destination, ramp, now_ms);
+            let Err(wait) = self.limits.take(destination, rate, at) else {
+                send.push(r);
+                continue;
+            };
+            // Held only while its token comes within the lease: a record held past it would
+            // sit here on a dead lease, out of every claim's reach (this instance leaves the
+            // destination out while it holds some), until its turn found it too late
+            // (simulation seed 102: 87 records at 2 a second under a 3 s lease stalled for
+            // 26 s at a time). Released now, a later claim, here or on another instance,
+            // takes it again. The wave's own pre-publish check, at the instant the token comes.
+            let token_at = lease::add(latest, wait);
+            if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
+                outlasting.push(r);
+            } else {
+                // In whole milliseconds, at least one.
+                let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
+                held.defer(r, now_ms.saturating_add(ms));
+                later += 1;
             }
-            send.push(r);
         }
         for (released, reason) in [(paused, "paused"), (outlasting, "rate_limit")] {
             if !released.is_empty() {

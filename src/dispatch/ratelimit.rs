@@ -85,11 +85,6 @@ impl RateLimits {
         Some(TRICKLE * (ceiling / TRICKLE).powf(done))
     }
 
-    /// Whether any limit applies at all.
-    pub fn any(&self, ramps: bool) -> bool {
-        ramps || self.instance.is_some() || !self.per_destination.is_empty()
-    }
-
     /// Takes a token for one send to `destination` at `rate` (and one of the instance's), or
     /// says how long to wait for them.
     pub fn take(
