@@ -31,6 +31,8 @@ use crate::store::lease::{Lease, PrePublish};
 use crate::store::pacing::Pacing;
 use crate::store::parking::ParkReason;
 
+/// The log line when a blocked connection makes the loop release what it holds (said in two
+/// places).
 const BLOCKED: &str = "releasing claimed records: RabbitMQ blocks the connection";
 
 /// Most settling tasks at once.
