@@ -5,29 +5,17 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::time::Instant;
 
-use bson::{Bson, DateTime};
+use bson::DateTime;
 
 use super::leased::{Held, Leased};
+use super::settle::SettleQueue;
 use crate::config::Config;
 use crate::dispatch::ratelimit::RateLimits;
 use crate::metrics as m;
 use crate::store::control::Snapshot;
-use crate::store::lease::{self, Lease, PrePublish};
-
-/// The due records of one wave, sorted by what holds them back.
-#[derive(Debug, Default)]
-pub struct Sorted {
-    /// Sendable now.
-    pub send: Vec<Leased>,
-    /// Of a paused destination, or whose rate-limit token comes too late for the lease: to
-    /// release, with the reason.
-    pub release: Vec<(Vec<(Bson, Lease)>, &'static str)>,
-    /// Waiting for a rate-limit token: to hold again until `at_ms` (server clock).
-    pub later: Vec<(Leased, i64)>,
-}
+use crate::store::lease::{self, PrePublish};
 
 /// Pauses, ramps, rate limits and refusing destinations, as this instance applies them.
 #[derive(Debug)]
@@ -54,11 +42,11 @@ impl Control {
         }
     }
 
-    /// Takes in new pauses and ramps. Returns the held records of destinations paused now,
-    /// to release; `None` when `snapshot` is the one already applied.
-    pub fn apply(&mut self, snapshot: Arc<Snapshot>, held: &mut Held) -> Option<Vec<Leased>> {
+    /// Takes in new pauses and ramps, and releases the held records of destinations paused
+    /// now. `false` when `snapshot` is the one already applied.
+    pub fn apply(&mut self, snapshot: Arc<Snapshot>, held: &mut Held, q: &mut SettleQueue) -> bool {
         if Arc::ptr_eq(&snapshot, &self.snapshot) {
-            return None;
+            return false;
         }
         self.snapshot = snapshot;
         let paused = &self.snapshot.paused;
@@ -72,7 +60,8 @@ impl Control {
             m::held_back("paused", taken.len());
             m::skipped("paused", taken.len());
         }
-        Some(taken)
+        q.release_all(taken, "paused");
+        true
     }
 
     /// The broker refused sends to `destinations` (at the end of a wave, and again as each
@@ -106,10 +95,8 @@ impl Control {
                 excluded.push(d.clone());
             }
         }
-        let d = &self.config.dispatch;
-        let window = d.claim_window().as_secs_f64();
-        let limited = d
-            .destination
+        let limits = &self.config.dispatch.destination;
+        let limited = limits
             .iter()
             .map(|l| l.name.clone())
             .chain(self.snapshot.ramps.keys().cloned());
@@ -118,8 +105,7 @@ impl Control {
             let rate = self
                 .limits
                 .destination_rate(&name, ramp, server.timestamp_millis());
-            if let Some(rate) = rate
-                && held.count_of(&name) as f64 >= (rate * window).max(1.0)
+            if rate.is_some_and(|r| self.enough(held.count_of(&name), r))
                 && !excluded.contains(&name)
             {
                 excluded.push(name);
@@ -131,76 +117,74 @@ impl Control {
     /// Whether this instance holds what its own `max_rate` lets it send over a poll
     /// interval and the look-ahead: then it claims nothing more for now.
     pub fn saturated(&self, held: usize) -> bool {
-        let d = &self.config.dispatch;
-        let window = d.claim_window().as_secs_f64();
-        d.max_rate
-            .is_some_and(|r| held as f64 >= (r * window).max(1.0))
+        let max_rate = self.config.dispatch.max_rate;
+        max_rate.is_some_and(|r| self.enough(held, r))
     }
 
-    /// Sorts the records that fell due: sendable now, or held back by a pause (released) or
-    /// by a rate limit (held until a token comes, or released when the token would come too
-    /// late for the lease). `now` is the earliest the server's clock can read, `latest` the
-    /// latest, `at` the monotonic instant.
+    /// Whether `held` records are what `rate` lets this instance send over a poll interval
+    /// and the look-ahead.
+    fn enough(&self, held: usize, rate: f64) -> bool {
+        let window = self.config.dispatch.claim_window().as_secs_f64();
+        held as f64 >= (rate * window).max(1.0)
+    }
+
+    /// Returns the records that fell due and may be sent now; holds back the others: those of
+    /// a paused destination are released, those waiting for a rate-limit token held again until
+    /// it comes (or released when it would come too late for the lease). `now` is the earliest
+    /// the server's clock can read, `latest` the latest, `at` the monotonic instant.
     pub fn hold_back(
         &mut self,
         due: Vec<Leased>,
+        held: &mut Held,
+        q: &mut SettleQueue,
         at: Instant,
         now: DateTime,
         latest: DateTime,
-    ) -> Sorted {
+    ) -> Vec<Leased> {
         let snapshot = self.snapshot.clone();
-        let rated = self.limits.any(!snapshot.ramps.is_empty());
         let now_ms = now.timestamp_millis();
         let margin = self.config.dispatch.lease_safety_margin;
-        let mut sorted = Sorted::default();
+        let (mut send, mut later) = (Vec::new(), 0);
         let mut paused = Vec::new();
         let mut outlasting = Vec::new();
         for r in due {
             let destination = r.record.destination.as_str();
             if snapshot.paused.iter().any(|p| p == destination) {
-                paused.push((r.id, r.lease));
+                paused.push(r);
                 continue;
             }
-            if rated {
-                let ramp = snapshot.ramps.get(destination);
-                let rate = self.limits.destination_rate(destination, ramp, now_ms);
-                if let Err(wait) = self.limits.take(destination, rate, at) {
-                    // Held only while its token comes within the lease: a record held past
-                    // it would sit here on a dead lease, out of every claim's reach (this
-                    // instance leaves the destination out while it holds some), until its
-                    // turn found it too late (simulation seed 102: 87 records at 2 a second
-                    // under a 3 s lease stalled for 26 s at a time). Released now, a later
-                    // claim, here or on another instance, takes it again.
-                    // The wave's own pre-publish check, at the instant the token comes.
-                    let token_at = lease::add(latest, wait);
-                    if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
-                        outlasting.push((r.id, r.lease));
-                    } else {
-                        sorted.later.push((r, now_ms.saturating_add(wait_ms(wait))));
-                    }
-                    continue;
-                }
+            let ramp = snapshot.ramps.get(destination);
+            let rate = self.limits.destination_rate(destination, ramp, now_ms);
+            let Err(wait) = self.limits.take(destination, rate, at) else {
+                send.push(r);
+                continue;
+            };
+            // Held only while its token comes within the lease: a record held past it would
+            // sit here on a dead lease, out of every claim's reach (this instance leaves the
+            // destination out while it holds some), until its turn found it too late
+            // (simulation seed 102: 87 records at 2 a second under a 3 s lease stalled for
+            // 26 s at a time). Released now, a later claim, here or on another instance,
+            // takes it again. The wave's own pre-publish check, at the instant the token comes.
+            let token_at = lease::add(latest, wait);
+            if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
+                outlasting.push(r);
+            } else {
+                // In whole milliseconds, at least one.
+                let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
+                held.defer(r, now_ms.saturating_add(ms));
+                later += 1;
             }
-            sorted.send.push(r);
         }
-        if !paused.is_empty() {
-            m::held_back("paused", paused.len());
-            m::skipped("paused", paused.len());
-            sorted.release.push((paused, "paused"));
+        for (released, reason) in [(paused, "paused"), (outlasting, "rate_limit")] {
+            if !released.is_empty() {
+                m::held_back(reason, released.len());
+                m::skipped(reason, released.len());
+                q.release_all(released, reason);
+            }
         }
-        if !outlasting.is_empty() {
-            m::held_back("rate_limit", outlasting.len());
-            m::skipped("rate_limit", outlasting.len());
-            sorted.release.push((outlasting, "rate_limit"));
+        if later > 0 {
+            m::held_back("rate_limit", later);
         }
-        if !sorted.later.is_empty() {
-            m::held_back("rate_limit", sorted.later.len());
-        }
-        sorted
+        send
     }
-}
-
-/// A wait in whole milliseconds, at least one.
-fn wait_ms(wait: Duration) -> i64 {
-    i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1)
 }

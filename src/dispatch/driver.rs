@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Command, Input, Link, Machine, Now};
+use super::machine::{Command, Input, Machine, Now};
 use super::settle::{Settle, Settler};
 use super::{DispatchError, Signals};
 use crate::config::Config;
@@ -83,8 +83,8 @@ pub struct Dispatcher {
     roles: HashMap<Id, Role>,
     /// The wave in flight's tokens.
     wave: Option<WaveTokens>,
+    /// What settling runs against, history's sink among it.
     settler: Settler,
-    history: Option<HistorySink>,
     failed: Option<String>,
 }
 
@@ -98,7 +98,7 @@ impl Dispatcher {
         shutdown: CancellationToken,
         signals: Signals,
     ) -> Self {
-        let machine = Machine::new(config.clone(), health.clone(), false, Instant::now());
+        let machine = Machine::new(config.clone(), health.clone(), Instant::now());
         let settler = Settler {
             store: claims.store().clone(),
             retry: config.retry.clone(),
@@ -122,7 +122,6 @@ impl Dispatcher {
             roles: HashMap::new(),
             wave: None,
             settler,
-            history: None,
             failed: None,
         }
     }
@@ -130,8 +129,7 @@ impl Dispatcher {
     /// Records what fires and what is parked through `sink` (`[history] keep`).
     pub fn with_history(mut self, sink: Option<HistorySink>) -> Self {
         self.machine.record_history(sink.is_some());
-        self.settler.history = sink.clone();
-        self.history = sink;
+        self.settler.history = sink;
         self
     }
 
@@ -139,16 +137,16 @@ impl Dispatcher {
     /// in flight (at most `shutdown_timeout`) and for the settling it started, closes the
     /// broker connection and returns. Returns an error if the machine panicked.
     pub async fn run(mut self) -> Result<(), DispatchError> {
-        let mut input = Some(Input::Control(self.control.get()));
+        let mut input = Input::Control(self.control.get());
         loop {
             self.health.beat();
-            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(input.take())));
+            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(input)));
             let now = match turn {
                 Ok(now) => now,
                 Err(panic) if self.contain(panic.as_ref()) => break,
                 // Failed: it stops at once, releasing what it holds.
                 Err(_) => {
-                    let stop = AssertUnwindSafe(|| self.step(Some(Input::Shutdown)));
+                    let stop = AssertUnwindSafe(|| self.step(Input::Shutdown));
                     match std::panic::catch_unwind(stop) {
                         Ok(now) => now,
                         Err(panic) => {
@@ -161,7 +159,7 @@ impl Dispatcher {
             if self.machine.is_done() {
                 break;
             }
-            input = Some(self.next_input(&now).await);
+            input = self.next_input(&now).await;
             // Tests only: an await that does not return, as an unbounded call would.
             #[cfg(feature = "failpoints")]
             if let Some(Some(ms)) = fail::eval("dispatch-loop-stall", |arg| {
@@ -193,10 +191,10 @@ impl Dispatcher {
     }
 
     /// One turn of the loop.
-    fn turn(&mut self, input: Option<Input>) -> Now {
+    fn turn(&mut self, input: Input) -> Now {
         // Tests only: a handler that panics (supervision tests).
         #[cfg(feature = "failpoints")]
-        if input.is_some() && fail::eval("dispatch-handler-panic", |_| ()).is_some() {
+        if fail::eval("dispatch-handler-panic", |_| ()).is_some() {
             panic!("failpoint dispatch-handler-panic");
         }
         self.step(input)
@@ -204,18 +202,13 @@ impl Dispatcher {
 
     /// Hands the machine `input` and what the driver sees of the link, then runs every
     /// command it gives. Never awaits.
-    fn step(&mut self, input: Option<Input>) -> Now {
+    fn step(&mut self, input: Input) -> Now {
         let now = self.now();
-        if let Some(input) = input {
-            self.machine.handle(input, &now);
-        }
+        self.machine.handle(input, &now);
+        // The machine heeds each only when it changes something.
         let blocked = self.watch.blocked();
-        if blocked != self.machine.is_blocked() {
-            self.machine.handle(Input::Blocked(blocked), &now);
-        }
-        if matches!(self.machine.link(), Link::Idle { .. })
-            && self.publisher.as_ref().is_some_and(|p| !p.is_connected())
-        {
+        self.machine.handle(Input::Blocked(blocked), &now);
+        if self.publisher.as_ref().is_some_and(|p| !p.is_connected()) {
             self.machine.handle(Input::LinkLost, &now);
         }
         while let Some(command) = self.machine.poll_command(&now) {
@@ -396,7 +389,7 @@ impl Dispatcher {
             }
             Command::Settle(work) => self.settle(work),
             Command::History(rows) => {
-                if let Some(sink) = &self.history {
+                if let Some(sink) = &self.settler.history {
                     sink.record(rows);
                 }
             }
@@ -415,11 +408,14 @@ impl Dispatcher {
 
     fn settle(&mut self, work: Settle) {
         let settler = self.settler.clone();
-        let refused = work.refused_destination();
+        let refused = match &work {
+            Settle::Refused { leased, .. } => Some(leased.record.destination.clone()),
+            _ => None,
+        };
         // A refused send may be released for a retry too.
         let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
         self.spawn(Role::Settle, async move {
-            work.run(&settler).await;
+            settler.run(work).await;
             Done::Settled { refused, released }
         });
     }
@@ -586,8 +582,7 @@ mod tests {
             "{connected:?}"
         );
         status.set_blocked(true);
-        d.turn(Some(connected));
-        assert!(d.machine.is_blocked(), "the loop sees the new link blocked");
+        d.turn(connected);
         let readiness = d.health.readiness();
         assert!(
             readiness

@@ -32,9 +32,8 @@ pub struct Held {
 
 impl Held {
     pub fn push(&mut self, r: Leased) {
-        self.seq += 1;
-        self.queue
-            .insert((r.record.due.timestamp_millis(), self.seq), r);
+        let due = r.record.due.timestamp_millis();
+        self.defer(r, due);
     }
 
     pub fn len(&self) -> usize {

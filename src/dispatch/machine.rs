@@ -4,28 +4,14 @@
 //! about. It reads no clock (every call is given [`Now`]) and spawns nothing; the driver
 //! (`driver.rs`) runs its commands as tasks and feeds their results back.
 //!
-//! One record's path through it:
-//! 1. **Claim.** When a claim is due and may start ([`Machine::can_claim`]), `Read` names the
-//!    destinations to leave out. The candidates come back ([`Input::Candidates`]); `Take`
-//!    leases them, at once, or, while a wave waits for its broker's first answer, once that
-//!    answer came ([`Input::Answered`]): an instance whose broker stalled hoards nothing.
-//! 2. **Triage** ([`Input::Claimed`]): a row that does not decode or has no destination is
-//!    parked; the rest wait in [`Held`], soonest first, as [`Leased`].
-//! 3. **Wave.** When records fall due and the link is idle, each is checked against the
-//!    lease margin, held back by pauses and rate limits ([`Control`]), built into a message
-//!    against the open connection's `frame_max` (a record no message can carry is parked),
-//!    and the wave goes out in one `Publish`; the link is then [`Link::Publishing`] until
-//!    [`Input::WaveSent`], or its deadline makes the machine say `StopWaiting`.
-//! 4. **Settle.** Each record's outcome queues one [`Settle`]: confirmed ones are removed,
-//!    refused ones retried or parked, the rest released. The queue is bounded: while two
-//!    batches wait in it, no claim starts.
+//! `ARCHITECTURE.md` ("One record, from claim to delete") follows one record through it.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
-use bson::{Bson, DateTime};
+use bson::{Bson, DateTime, Document};
 
 use super::control::Control;
 use super::leased::{Held, Leased, instant_of, triage};
@@ -44,6 +30,10 @@ use crate::store::history::{self, Row};
 use crate::store::lease::{Lease, PrePublish};
 use crate::store::pacing::Pacing;
 use crate::store::parking::ParkReason;
+
+/// The log line when a blocked connection makes the loop release what it holds (said in two
+/// places).
+const BLOCKED: &str = "releasing claimed records: RabbitMQ blocks the connection";
 
 /// Most settling tasks at once.
 pub const MAX_SETTLING: usize = 8;
@@ -72,9 +62,9 @@ pub enum Input {
     Inserted,
     /// The pauses and ramps in force (the same `Arc` again is no change).
     Control(Arc<Snapshot>),
-    /// The broker blocked (`true`) or unblocked the open connection.
+    /// Whether the broker blocks the open connection (only a change counts).
     Blocked(bool),
-    /// The idle link was found closed.
+    /// The link was found closed (heeded only while it is idle).
     LinkLost,
     /// A connect ended: the connection's `frame_max`, or why it failed.
     Connected(Result<u32, PublishError>),
@@ -214,10 +204,6 @@ struct Claims {
 }
 
 impl Claims {
-    fn is_due(&self, at: Instant) -> bool {
-        matches!(self.step, Step::Idle) && at >= self.next_at()
-    }
-
     fn next_at(&self) -> Instant {
         self.next_at.max(self.not_before)
     }
@@ -274,8 +260,7 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// `history`: whether confirmed waves are recorded (`[history] keep`).
-    pub fn new(config: Arc<Config>, health: Arc<Health>, history: bool, at: Instant) -> Self {
+    pub fn new(config: Arc<Config>, health: Arc<Health>, at: Instant) -> Self {
         Self {
             claims: Claims {
                 poll: config.dispatch.poll_interval,
@@ -295,7 +280,7 @@ impl Machine {
             held: Held::default(),
             settle: SettleQueue::default(),
             settling: 0,
-            history,
+            history: false,
             stopping: None,
             drained: false,
             outbox: VecDeque::new(),
@@ -307,17 +292,9 @@ impl Machine {
         self.history = on;
     }
 
-    pub fn link(&self) -> &Link {
-        &self.link
-    }
-
     /// Whether it was told of shutdown.
     pub fn is_stopping(&self) -> bool {
         self.stopping.is_some()
-    }
-
-    pub fn is_blocked(&self) -> bool {
-        self.blocked
     }
 
     /// Whether a wave waits for the broker's first answer.
@@ -327,11 +304,15 @@ impl Machine {
 
     /// Records this instance holds under a lease and has not settled: held and in flight.
     pub fn leases_held(&self) -> usize {
-        let in_flight = match &self.link {
+        self.held.len() + self.in_flight()
+    }
+
+    /// The records of the wave in flight.
+    fn in_flight(&self) -> usize {
+        match &self.link {
             Link::Publishing(w) => w.records.len(),
             _ => 0,
-        };
-        self.held.len() + in_flight
+        }
     }
 
     /// Whether it holds what its own `max_rate` lets it send: records wait by design.
@@ -351,10 +332,8 @@ impl Machine {
 
     /// Whether a claim may start once its time comes: the link is up and not blocked by the
     /// broker, no claim is running, and fewer than two batches are held and fewer than two
-    /// wait to settle (a destination that refuses every send makes settling work as fast as
-    /// claims make records: the claims wait for it, so that nothing waits to settle until its
-    /// lease runs out; two, so that while one batch of refusals settles, a claim that leaves
-    /// their destination out still serves the others).
+    /// wait to settle ([`SettleQueue`] says why; two, so that while one batch of refusals
+    /// settles, a claim that leaves their destination out still serves the others).
     pub fn can_claim(&self) -> bool {
         let cap = 2 * self.config.dispatch.batch_size as usize;
         matches!(self.link, Link::Idle { .. } | Link::Publishing(_))
@@ -398,8 +377,10 @@ impl Machine {
             Input::Shutdown => self.on_shutdown(now),
             Input::Inserted => self.claims.wake(now.at),
             Input::Control(snapshot) => {
-                if let Some(paused) = self.control.apply(snapshot, &mut self.held) {
-                    self.release(paused, "paused");
+                if self
+                    .control
+                    .apply(snapshot, &mut self.held, &mut self.settle)
+                {
                     self.claims.wake(now.at);
                 }
             }
@@ -421,7 +402,7 @@ impl Machine {
                 {
                     // The wave's outcomes are unknown: possible duplicates.
                     m::possible_duplicates(m::DUPLICATE_PANIC, wave.records.len());
-                    self.release(wave.records, "publish_failed");
+                    self.settle.release_all(wave.records, "publish_failed");
                     self.end_gate(false, now.at);
                 }
             }
@@ -492,13 +473,14 @@ impl Machine {
                     for _ in &due {
                         m::publish_failure("connection");
                     }
-                    self.release(due, "publish_failed");
+                    self.settle.release_all(due, "publish_failed");
                     return self.poll_command(now);
                 }
                 Link::Opening | Link::Publishing(_) => {}
             }
         }
-        if self.can_claim() && self.claims.is_due(now.at) {
+        // `can_claim` says no claim is running.
+        if self.can_claim() && now.at >= self.claims.next_at() {
             let gate = match &self.link {
                 Link::Publishing(w) if !w.answered && w.stopped => Gate::Shut,
                 Link::Publishing(w) if !w.answered => Gate::Waiting,
@@ -545,19 +527,20 @@ impl Machine {
     /// flight is waited for at most `shutdown_timeout`.
     fn on_shutdown(&mut self, now: &Now) {
         self.stopping = Some(now.at);
-        let held = self.held.take_all();
-        if !held.is_empty() {
-            tracing::info!(
-                records = held.len(),
-                "shutdown: releasing claimed records not yet sent"
-            );
-        }
-        self.release(held, "shutdown");
+        self.release_held(
+            "shutdown",
+            "shutdown: releasing claimed records not yet sent",
+        );
         self.end_gate(false, now.at);
-        let limit = crate::deadline::later(now.at, self.config.dispatch.shutdown_timeout);
+        let limit = self.shutdown_limit(now.at);
         if let Link::Publishing(w) = &mut self.link {
             w.deadline = w.deadline.min(limit);
         }
+    }
+
+    /// How long the wave in flight is waited for after shutdown began.
+    fn shutdown_limit(&self, began: Instant) -> Instant {
+        crate::deadline::later(began, self.config.dispatch.shutdown_timeout)
     }
 
     /// Follows `connection.blocked` and `connection.unblocked`: while blocked nothing is
@@ -573,20 +556,18 @@ impl Machine {
             tracing::warn!(
                 "RabbitMQ blocked the connection (memory or disk alarm): not claiming until it unblocks"
             );
-            self.release_blocked();
+            self.release_held("blocked", BLOCKED);
         } else {
             tracing::info!("RabbitMQ unblocked the connection; claiming again");
         }
     }
 
-    fn release_blocked(&mut self) {
+    /// Releases every held record, saying `why` when there are some.
+    fn release_held(&mut self, reason: &'static str, why: &str) {
         let held = self.held.take_all();
         if !held.is_empty() {
-            tracing::info!(
-                records = held.len(),
-                "releasing claimed records: RabbitMQ blocks the connection"
-            );
-            self.release(held, "blocked");
+            tracing::info!(records = held.len(), "{why}");
+            self.settle.release_all(held, reason);
         }
     }
 
@@ -663,27 +644,26 @@ impl Machine {
     /// The wait of a gated claim is over: it takes its candidates (`take`), or takes nothing
     /// (the wave ended unanswered, or shutdown). A claim still reading learns it too.
     fn end_gate(&mut self, take: bool, at: Instant) {
-        if let Step::Reading { gate, .. } = &mut self.claims.step
-            && *gate == Gate::Waiting
-        {
-            *gate = if take { Gate::Open } else { Gate::Shut };
-        }
-        if !matches!(self.claims.step, Step::Gated { .. }) {
-            return;
-        }
-        let Step::Gated {
-            started,
-            spent,
-            candidates,
-        } = std::mem::replace(&mut self.claims.step, Step::Idle)
-        else {
-            return;
-        };
-        // The claim's duration leaves the wait out.
-        if take {
-            self.take(started, spent, candidates, at);
-        } else {
-            self.claims.finished(started, candidates.more(), at);
+        match std::mem::replace(&mut self.claims.step, Step::Idle) {
+            Step::Reading {
+                started,
+                gate: Gate::Waiting,
+            } => {
+                let gate = if take { Gate::Open } else { Gate::Shut };
+                self.claims.step = Step::Reading { started, gate };
+            }
+            // The claim's duration leaves the wait out.
+            Step::Gated {
+                started,
+                spent,
+                candidates,
+            } if take => self.take(started, spent, candidates, at),
+            Step::Gated {
+                started,
+                candidates,
+                ..
+            } => self.claims.finished(started, candidates.more(), at),
+            step => self.claims.step = step,
         }
     }
 
@@ -721,7 +701,7 @@ impl Machine {
         m::claimed(claim.rows.len());
         if self.stopping.is_some() {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
-            return self.release_ids(rows, "shutdown");
+            return self.settle.release(rows, "shutdown");
         }
         for row in claim.rows {
             match triage(row.record) {
@@ -731,21 +711,11 @@ impl Machine {
                     record,
                     lease,
                 }),
-                Err((reason, error)) => {
-                    let poison = Failure::poison(reason, error);
-                    m::skipped(poison.reason.as_str(), 1);
-                    self.settle.push(Settle::Park {
-                        id: row.id,
-                        raw: Box::new(row.raw),
-                        destination: String::new(),
-                        lease,
-                        failure: poison,
-                    });
-                }
+                Err(why) => self.park(row.id, row.raw, String::new(), lease, why),
             }
         }
         if self.blocked {
-            self.release_blocked();
+            self.release_held("blocked", BLOCKED);
         }
     }
 
@@ -755,19 +725,14 @@ impl Machine {
     fn wave(&mut self, frame_max: u32, now: &Now) -> Option<Command> {
         let margin = self.config.dispatch.lease_safety_margin;
         let due = self.held.take_due(now.earliest);
-        let sorted = self
+        let (held, settle) = (&mut self.held, &mut self.settle);
+        let send = self
             .control
-            .hold_back(due, now.at, now.earliest, now.latest);
-        for (ids, reason) in sorted.release {
-            self.release_ids(ids, reason);
-        }
-        for (r, at_ms) in sorted.later {
-            self.held.defer(r, at_ms);
-        }
+            .hold_back(due, held, settle, now.at, now.earliest, now.latest);
         let mut too_late = Vec::new();
         let mut messages = Vec::new();
         let mut records = Vec::new();
-        for r in sorted.send {
+        for r in send {
             // The lease left by the latest the server's clock can read.
             if r.lease.before_publish(now.latest, margin) != PrePublish::Publish {
                 too_late.push((r.id, r.lease));
@@ -778,21 +743,15 @@ impl Machine {
                     messages.push(m);
                     records.push(r);
                 }
-                Err(unsendable) => {
-                    m::skipped("unsendable", 1);
-                    self.settle.push(Settle::Park {
-                        id: r.id,
-                        destination: r.record.destination.clone(),
-                        raw: Box::new(r.raw),
-                        lease: r.lease,
-                        failure: Failure::poison(ParkReason::Unsendable, unsendable.to_string()),
-                    });
+                Err(e) => {
+                    let why = (ParkReason::Unsendable, e.to_string());
+                    self.park(r.id, r.raw, r.record.destination, r.lease, why);
                 }
             }
         }
         if !too_late.is_empty() {
             m::skipped("margin", too_late.len());
-            self.release_ids(too_late, "margin");
+            self.settle.release(too_late, "margin");
         }
         if messages.is_empty() {
             return None;
@@ -802,20 +761,16 @@ impl Machine {
             .iter()
             .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
             .collect();
+        let deadline = crate::deadline::later(now.at, self.config.rabbitmq.publish_timeout);
+        let limit = self.stopping.map(|began| self.shutdown_limit(began));
         self.link = Link::Publishing(Wave {
             records,
             message_ids,
             started: now.at,
-            deadline: crate::deadline::later(now.at, self.config.rabbitmq.publish_timeout),
+            deadline: limit.map_or(deadline, |l| deadline.min(l)),
             stopped: false,
             answered: false,
         });
-        if let Some(began) = self.stopping {
-            let limit = crate::deadline::later(began, self.config.dispatch.shutdown_timeout);
-            if let Link::Publishing(w) = &mut self.link {
-                w.deadline = w.deadline.min(limit);
-            }
-        }
         Some(Command::Publish {
             messages,
             frame_max,
@@ -906,7 +861,7 @@ impl Machine {
         // seed 5067: sent again 2 ms after the wave gave up on them).
         let again = self.held.take_matching(|h| unknown.contains(&h.id));
         failed.extend(again.into_iter().map(|r| (r.id, r.lease)));
-        self.release_ids(failed, "publish_failed");
+        self.settle.release(failed, "publish_failed");
         if !unknown.is_empty() {
             // A link that withholds confirms must not get the same records again at once, and
             // gets them later and later while it goes on withholding them: its own back-off,
@@ -919,18 +874,29 @@ impl Machine {
         }
     }
 
-    /// Queues the release of records this instance holds, ahead of other settling.
-    fn release(&mut self, records: Vec<Leased>, reason: &'static str) {
-        self.release_ids(
-            records.into_iter().map(|r| (r.id, r.lease)).collect(),
+    /// Queues the parking of a record no attempt can fix, with why.
+    fn park(
+        &mut self,
+        id: Bson,
+        raw: Document,
+        destination: String,
+        lease: Lease,
+        why: (ParkReason, String),
+    ) {
+        let (reason, error) = why;
+        m::skipped(reason.as_str(), 1);
+        let failure = Failure {
             reason,
-        );
-    }
-
-    fn release_ids(&mut self, held: Vec<(Bson, Lease)>, reason: &'static str) {
-        for work in Settle::releases(held, reason) {
-            self.settle.push(work);
-        }
+            error,
+            attempts: 0,
+        };
+        self.settle.push(Settle::Park {
+            id,
+            raw: Box::new(raw),
+            destination,
+            lease,
+            failure,
+        });
     }
 }
 
@@ -940,11 +906,7 @@ impl Machine {
 /// again after the lease. They are counted as possible duplicates.
 impl Drop for Machine {
     fn drop(&mut self) {
-        let in_flight = match &self.link {
-            Link::Publishing(w) => w.records.len(),
-            _ => 0,
-        };
-        let unsettled = self.settle.unremoved() + in_flight;
+        let unsettled = self.settle.unremoved() + self.in_flight();
         if unsettled > 0 {
             tracing::warn!(
                 records = unsettled,

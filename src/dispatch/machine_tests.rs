@@ -10,25 +10,21 @@ use crate::record::TimeoutRecord;
 use crate::store::claim::ClaimedRow;
 use crate::store::pacing::RETRY_CAP;
 
+const OPEN: Option<u32> = Some(message::DEFAULT_FRAME_MAX);
+
 /// A machine and the instant it is told.
 struct Rig {
     m: Machine,
     t0: Instant,
     at: Instant,
-    base_ms: i64,
 }
 
 impl Rig {
     fn new(config: Config) -> Self {
         let t0 = Instant::now();
-        let poll = config.dispatch.poll_interval;
-        let health = Arc::new(Health::new(poll));
-        Self {
-            m: Machine::new(Arc::new(config), health, false, t0),
-            t0,
-            at: t0,
-            base_ms: 1_800_000_000_000,
-        }
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let m = Machine::new(Arc::new(config), health, t0);
+        Self { m, t0, at: t0 }
     }
 
     /// Connected, idle, nothing claimed.
@@ -40,19 +36,25 @@ impl Rig {
     }
 
     fn now(&self) -> Now {
-        let ms = self.base_ms + self.at.duration_since(self.t0).as_millis() as i64;
+        let ms = 1_800_000_000_000 + self.at.duration_since(self.t0).as_millis() as i64;
         let t = DateTime::from_millis(ms);
+        let wall = UNIX_EPOCH + Duration::from_millis(ms as u64);
         Now {
             at: self.at,
             earliest: t,
             server: t,
             latest: t,
-            wall: UNIX_EPOCH + Duration::from_millis(ms as u64),
+            wall,
         }
     }
 
     fn server(&self) -> DateTime {
         self.now().server
+    }
+
+    /// A lease taken now for `secs`.
+    fn lease(&self, secs: u64) -> Lease {
+        Lease::new(self.server(), Duration::from_secs(secs))
     }
 
     fn advance(&mut self, by: Duration) {
@@ -70,6 +72,29 @@ impl Rig {
         std::iter::from_fn(|| self.m.poll_command(&now)).collect()
     }
 
+    /// Whether a claim starts now.
+    fn reads(&mut self) -> bool {
+        let commands = self.commands();
+        commands.iter().any(|c| matches!(c, Command::Read { .. }))
+    }
+
+    /// Whether a claim takes its candidates now.
+    fn takes(&mut self) -> bool {
+        let commands = self.commands();
+        commands.iter().any(|c| matches!(c, Command::Take { .. }))
+    }
+
+    fn candidates(&mut self, ids: &[i32]) {
+        let ids = ids.iter().map(|n| Bson::Int32(*n)).collect();
+        self.handle(Input::Candidates(Ok(Candidates::of(ids))));
+    }
+
+    /// The wave in flight ends with one `outcome`.
+    fn sent(&mut self, outcome: SendOutcome, open: Option<u32>) {
+        let outcomes = vec![outcome];
+        self.handle(Input::WaveSent { outcomes, open });
+    }
+
     /// A record due now, leased for `lease`, held.
     fn hold(&mut self, n: i32, lease: Duration) {
         let now = self.server();
@@ -78,8 +103,7 @@ impl Rig {
 
     /// Publishes what is due; panics if no wave goes out.
     fn publish(&mut self) -> Vec<OutgoingMessage> {
-        let commands = self.commands();
-        let mut waves = commands.into_iter().filter_map(|c| match c {
+        let mut waves = self.commands().into_iter().filter_map(|c| match c {
             Command::Publish { messages, .. } => Some(messages),
             _ => None,
         });
@@ -88,18 +112,11 @@ impl Rig {
 
     /// One wave of one record with `outcome`; returns the hold-off on claims after it.
     fn wave(&mut self, n: i32, destination: &str, outcome: SendOutcome) -> Duration {
-        self.hold(n, Duration::from_secs(300));
-        if let Some(r) = self.m.held.take_matching(|r| r.id == Bson::Int32(n)).pop() {
-            let mut r = r;
-            r.record.destination = destination.into();
-            self.m.held.push(r);
-        }
+        let mut record = leased(n, self.server(), self.lease(300));
+        record.record.destination = destination.into();
+        self.m.held.push(record);
         self.publish();
-        let open = Some(message::DEFAULT_FRAME_MAX);
-        self.handle(Input::WaveSent {
-            outcomes: vec![outcome],
-            open,
-        });
+        self.sent(outcome, OPEN);
         self.m.claims.next_at().saturating_duration_since(self.at)
     }
 }
@@ -120,46 +137,41 @@ fn leased(n: i32, due: DateTime, lease: Lease) -> Leased {
 }
 
 fn claim_of(rows: Vec<Leased>, lease: Lease) -> Claim {
+    let row = |r: Leased| ClaimedRow {
+        id: r.id,
+        raw: r.raw,
+        record: Ok(r.record),
+    };
     Claim {
         lease,
         read: rows.len(),
-        rows: rows
-            .into_iter()
-            .map(|r| ClaimedRow {
-                id: r.id,
-                raw: r.raw,
-                record: Ok(r.record),
-            })
-            .collect(),
+        rows: rows.into_iter().map(row).collect(),
         more: false,
     }
 }
 
-fn is_read(c: &Command) -> bool {
-    matches!(c, Command::Read { .. })
+fn refused(n: i32, lease: Lease) -> Settle {
+    let leased = Box::new(leased(n, DateTime::MIN, lease));
+    let outcome = SendOutcome::Returned;
+    Settle::Refused { leased, outcome }
 }
 
 #[test]
 fn one_record_from_claim_to_removal() {
     let mut r = Rig::up(Config::default());
-    let commands = r.commands();
-    assert!(commands.iter().any(is_read), "{commands:?}");
-    r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+    assert!(r.reads());
+    r.candidates(&[1]);
     let commands = r.commands();
     assert!(
         matches!(commands[..], [Command::Take { .. }]),
         "{commands:?}"
     );
-    let lease = Lease::new(r.server(), Duration::from_secs(60));
+    let lease = r.lease(60);
     let claim = claim_of(vec![leased(1, r.server(), lease)], lease);
     r.handle(Input::Claimed(Ok(claim)));
-    let messages = r.publish();
-    assert_eq!(messages.len(), 1);
+    assert_eq!(r.publish().len(), 1);
     assert_eq!(r.m.leases_held(), 1);
-    r.handle(Input::WaveSent {
-        outcomes: vec![SendOutcome::Confirmed],
-        open: Some(message::DEFAULT_FRAME_MAX),
-    });
+    r.sent(SendOutcome::Confirmed, OPEN);
     let commands = r.commands();
     assert!(
         matches!(&commands[..], [Command::Settle(Settle::Remove { records, .. })] if records.len() == 1),
@@ -178,28 +190,14 @@ fn claims_wait_while_two_batches_wait_to_settle() {
     config.dispatch.batch_size = 10;
     let mut r = Rig::up(config);
     assert!(r.m.can_claim(), "nothing held, nothing to settle");
-    let now = r.server();
-    let lease = Lease::new(now, Duration::from_secs(300));
-    for n in 0..20 {
-        r.m.settle.push(Settle::Refused {
-            leased: Box::new(leased(n, now, lease)),
-            outcome: SendOutcome::Returned,
-        });
-    }
-    assert!(
-        !r.m.can_claim(),
-        "a claim starts while 20 records wait to settle"
-    );
+    let lease = r.lease(300);
+    (0..20).for_each(|n| r.m.settle.push(refused(n, lease)));
+    assert!(!r.m.can_claim(), "a claim starts while 20 wait to settle");
     let _ = r.m.settle.pop();
     assert!(r.m.can_claim(), "less than two batches wait");
-    r.m.settle.push(Settle::Remove {
-        lease,
-        records: vec![leased(20, now, lease)],
-    });
-    assert!(
-        !r.m.can_claim(),
-        "a confirmed record waiting for removal counts"
-    );
+    let records = vec![leased(20, r.server(), lease)];
+    r.m.settle.push(Settle::Remove { lease, records });
+    assert!(!r.m.can_claim(), "a record waiting for removal counts");
 }
 
 /// Issue 25, 8.3: a refused record waited to settle until its lease ran out; its retry
@@ -211,13 +209,9 @@ fn settling_not_started_by_the_lease_margin_is_released_instead() {
     let config = Config::default();
     let margin = config.dispatch.lease_safety_margin;
     let mut r = Rig::new(config);
-    let now = r.server();
-    for (n, lease) in [(1, Duration::from_secs(300)), (2, margin / 2)] {
-        r.m.settle.push(Settle::Refused {
-            leased: Box::new(leased(n, now, Lease::new(now, lease))),
-            outcome: SendOutcome::Returned,
-        });
-    }
+    r.m.settle.push(refused(1, r.lease(300)));
+    r.m.settle
+        .push(refused(2, Lease::new(r.server(), margin / 2)));
     // Every slot is busy: the queue is only looked at.
     r.m.settling = MAX_SETTLING;
     assert!(!r.commands().iter().any(|c| matches!(c, Command::Settle(_))));
@@ -253,10 +247,8 @@ fn the_hold_off_after_unconfirmed_waves_grows_across_reconnects() {
         r.handle(Input::Connected(Ok(message::DEFAULT_FRAME_MAX)));
         r.advance(hold);
     }
-    assert!(
-        holds.windows(2).all(|w| w[0] <= w[1]),
-        "the hold-off shrank: {holds:?}"
-    );
+    let grew = holds.windows(2).all(|w| w[0] <= w[1]);
+    assert!(grew, "the hold-off shrank: {holds:?}");
     // From 100 ms doubling: the sixth is at least 3.2 s (it stayed near 100 ms before).
     assert!(holds[5] >= Duration::from_millis(3_200), "{holds:?}");
     let _ = r.commands();
@@ -286,11 +278,7 @@ fn a_destination_that_refuses_sends_is_left_out_of_claims_for_a_while() {
     r.wave(1, "gone", SendOutcome::Returned);
     r.wave(2, "full", SendOutcome::Nacked);
     r.wave(3, "live", SendOutcome::Confirmed);
-    assert_eq!(
-        excluded(&r),
-        ["full", "gone"],
-        "refusing destinations are left out"
-    );
+    assert_eq!(excluded(&r), ["full", "gone"], "refusing ones are left out");
     r.advance(base);
     assert!(excluded(&r).is_empty(), "tried again after [retry] base");
     r.wave(4, "gone", SendOutcome::Returned);
@@ -298,20 +286,16 @@ fn a_destination_that_refuses_sends_is_left_out_of_claims_for_a_while() {
     // Its refusals take a while to settle: the window runs from the last one settled.
     r.m.settling = 1;
     r.advance(base - Duration::from_millis(1));
-    r.handle(Input::Settled {
-        refused: Some("gone".into()),
-    });
+    let refused = Some("gone".into());
+    r.handle(Input::Settled { refused });
     r.advance(Duration::from_millis(2));
     assert_eq!(
         excluded(&r),
         ["gone"],
-        "left out until [retry] base after its last refusal settled"
+        "left out until [retry] base after the last"
     );
     r.wave(5, "gone", SendOutcome::Confirmed);
-    assert!(
-        excluded(&r).is_empty(),
-        "a confirmed send ends it (the queue is back)"
-    );
+    assert!(excluded(&r).is_empty(), "a confirmed send ends it");
 }
 
 /// Simulation seed 5067: a wave that outlived its 3 s lease (publish_timeout 5 s) waited
@@ -323,18 +307,11 @@ fn a_copy_claimed_again_during_an_unconfirmed_wave_waits_for_the_hold_off() {
     let mut r = Rig::up(Config::default());
     r.hold(1, Duration::from_secs(3));
     r.publish();
-    let now = r.server();
-    let new = Lease::new(now, Duration::from_secs(300));
+    let (now, new) = (r.server(), r.lease(300));
+    let later = crate::store::lease::add(now, Duration::from_secs(60));
     r.m.held.push(leased(1, now, new));
-    r.m.held.push(leased(
-        2,
-        crate::store::lease::add(now, Duration::from_secs(60)),
-        new,
-    ));
-    r.handle(Input::WaveSent {
-        outcomes: vec![SendOutcome::TimedOut],
-        open: None,
-    });
+    r.m.held.push(leased(2, later, new));
+    r.sent(SendOutcome::TimedOut, None);
     let held: Vec<Bson> = r.m.held.take_all().into_iter().map(|l| l.id).collect();
     assert_eq!(held, [Bson::Int32(2)], "the copy of record 1 is released");
     let released = r.m.settle.work().any(|s| {
@@ -350,8 +327,7 @@ fn a_copy_claimed_again_during_an_unconfirmed_wave_waits_for_the_hold_off() {
 #[test]
 fn a_wave_is_built_against_the_frame_max_of_the_connection_that_carries_it() {
     let mut r = Rig::new(Config::default());
-    let now = r.server();
-    let mut big = leased(1, now, Lease::new(now, Duration::from_secs(60)));
+    let mut big = leased(1, r.server(), r.lease(60));
     big.record.headers = doc! { "Big": "x".repeat(20_000) };
     r.m.held.push(big);
     let commands = r.commands();
@@ -359,15 +335,10 @@ fn a_wave_is_built_against_the_frame_max_of_the_connection_that_carries_it() {
     assert_eq!(r.m.held.len(), 1, "the record waits for the connect");
     r.handle(Input::Connected(Ok(8192)));
     let commands = r.commands();
-    assert!(
-        !commands
-            .iter()
-            .any(|c| matches!(c, Command::Publish { .. })),
-        "published against 8192: {commands:?}"
-    );
-    let parked: Vec<ParkReason> = commands
+    let parked: Vec<_> = commands
         .iter()
         .filter_map(|c| match c {
+            Command::Publish { .. } => panic!("published against 8192: {commands:?}"),
             Command::Settle(Settle::Park { failure, .. }) => Some(failure.reason),
             _ => None,
         })
@@ -383,29 +354,20 @@ fn a_claim_beside_an_unanswered_wave_takes_only_once_the_broker_answered() {
         let mut r = Rig::up(Config::default());
         r.hold(1, Duration::from_secs(60));
         let commands = r.commands();
-        assert!(
-            matches!(
-                commands[..],
-                [Command::Publish { .. }, Command::Read { .. }]
-            ),
-            "{commands:?}"
+        let started = matches!(
+            commands[..],
+            [Command::Publish { .. }, Command::Read { .. }]
         );
-        r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(2)]))));
+        assert!(started, "{commands:?}");
+        r.candidates(&[2]);
         assert!(r.commands().is_empty(), "{end}: took before any answer");
         match end {
             "answered" => r.handle(Input::Answered),
-            "sent unanswered" => r.handle(Input::WaveSent {
-                outcomes: vec![SendOutcome::TimedOut],
-                open: None,
-            }),
+            "sent unanswered" => r.sent(SendOutcome::TimedOut, None),
             "deadline" => r.advance(Duration::from_secs(3600)),
             _ => r.handle(Input::Shutdown),
         }
-        let took = r
-            .commands()
-            .iter()
-            .any(|c| matches!(c, Command::Take { .. }));
-        assert_eq!(took, end == "answered", "{end}");
+        assert_eq!(r.takes(), end == "answered", "{end}");
     }
 }
 
@@ -417,20 +379,13 @@ fn a_claim_beside_an_unanswered_wave_takes_only_once_the_broker_answered() {
 #[test]
 fn candidates_read_back_during_the_hold_off_are_not_taken() {
     let mut r = Rig::up(Config::default());
-    assert!(r.commands().iter().any(is_read));
+    assert!(r.reads());
     let hold = r.wave(1, "q", SendOutcome::TimedOut);
     assert!(hold > Duration::ZERO);
-    r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
-    let commands = r.commands();
-    assert!(
-        !commands.iter().any(|c| matches!(c, Command::Take { .. })),
-        "{commands:?}"
-    );
+    r.candidates(&[1]);
+    assert!(!r.takes());
     r.advance(hold);
-    assert!(
-        r.commands().iter().any(is_read),
-        "claims again after the hold-off"
-    );
+    assert!(r.reads(), "claims again after the hold-off");
 }
 
 /// A claim task that dies (panics) while it reads is reported as a failed claim: the
@@ -438,14 +393,11 @@ fn candidates_read_back_during_the_hold_off_are_not_taken() {
 #[test]
 fn a_claim_task_that_died_while_reading_does_not_stop_the_claims() {
     let mut r = Rig::up(Config::default());
-    assert!(r.commands().iter().any(is_read));
+    assert!(r.reads());
     let died = StoreError::Panicked("the claim task died".into());
     r.handle(Input::Claimed(Err(died)));
     r.advance(RETRY_CAP);
-    assert!(
-        r.commands().iter().any(is_read),
-        "no claim after the task died"
-    );
+    assert!(r.reads(), "no claim after the task died");
 }
 
 /// A claim that starts while a wave has given up on its confirms unanswered takes
@@ -456,20 +408,13 @@ fn a_claim_beside_a_wave_given_up_unanswered_takes_nothing() {
     r.hold(1, Duration::from_secs(60));
     r.publish();
     r.advance(Duration::from_secs(3600));
-    assert!(
-        r.commands()
-            .iter()
-            .any(|c| matches!(c, Command::StopWaiting))
-    );
+    let commands = r.commands();
+    assert!(commands.iter().any(|c| matches!(c, Command::StopWaiting)));
     r.m.claims.step = Step::Idle;
     r.m.claims.next_at = r.at;
-    assert!(r.commands().iter().any(is_read));
-    r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(2)]))));
-    assert!(
-        !r.commands()
-            .iter()
-            .any(|c| matches!(c, Command::Take { .. }))
-    );
+    assert!(r.reads());
+    r.candidates(&[2]);
+    assert!(!r.takes());
 }
 
 #[test]
@@ -477,29 +422,20 @@ fn a_wake_up_during_a_claim_is_not_lost() {
     let mut config = Config::default();
     config.dispatch.poll_interval = Duration::from_secs(60);
     let mut r = Rig::up(config);
-    assert!(r.commands().iter().any(is_read));
+    assert!(r.reads());
     r.handle(Input::Inserted);
-    r.handle(Input::Candidates(Ok(Candidates::of(Vec::new()))));
-    let _ = r.commands();
-    let lease = Lease::new(r.server(), Duration::from_secs(60));
-    r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
-    assert!(
-        r.commands().iter().any(is_read),
-        "claims again at once, not a poll later"
-    );
-    r.handle(Input::Candidates(Ok(Candidates::of(Vec::new()))));
-    let _ = r.commands();
-    r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
-    assert!(
-        !r.commands().iter().any(is_read),
-        "without a wake-up, the poll"
-    );
-    assert_eq!(
-        r.m.poll_timeout(&r.now()),
-        Some(r.at + Duration::from_secs(60))
-    );
+    let lease = r.lease(60);
+    for woken in [true, false] {
+        r.candidates(&[]);
+        let _ = r.commands();
+        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
+        // Woken: at once, not a poll later; otherwise the poll.
+        assert_eq!(r.reads(), woken, "woken: {woken}");
+    }
+    let poll = Some(r.at + Duration::from_secs(60));
+    assert_eq!(r.m.poll_timeout(&r.now()), poll);
     r.handle(Input::Inserted);
-    assert!(r.commands().iter().any(is_read));
+    assert!(r.reads());
 }
 
 /// An unconfirmed wave sets the hold-off while a claim runs; the claim then returns with
@@ -509,11 +445,10 @@ fn a_wake_up_during_a_claim_is_not_lost() {
 fn a_hold_off_set_while_a_claim_runs_outlasts_it() {
     for end in ["more", "woken", "failed"] {
         let mut r = Rig::up(Config::default());
-        assert!(r.commands().iter().any(is_read));
+        assert!(r.reads());
         let hold = r.wave(1, "q", SendOutcome::TimedOut);
-        let lease = Lease::new(r.server(), Duration::from_secs(60));
-        let mut claim = claim_of(Vec::new(), lease);
-        r.handle(Input::Candidates(Ok(Candidates::of(Vec::new()))));
+        let mut claim = claim_of(Vec::new(), r.lease(60));
+        r.candidates(&[]);
         let _ = r.commands();
         match end {
             "more" => claim.more = true,
@@ -525,17 +460,11 @@ fn a_hold_off_set_while_a_claim_runs_outlasts_it() {
             _ => Ok(claim),
         };
         r.handle(Input::Claimed(result));
-        assert!(
-            !r.commands().iter().any(is_read),
-            "{end}: claimed during the hold-off"
-        );
+        assert!(!r.reads(), "{end}: claimed during the hold-off");
         r.handle(Input::Inserted);
-        assert!(
-            !r.commands().iter().any(is_read),
-            "{end}: a wake-up cut it short"
-        );
+        assert!(!r.reads(), "{end}: a wake-up cut it short");
         r.advance(hold + RETRY_CAP);
-        assert!(r.commands().iter().any(is_read), "{end}");
+        assert!(r.reads(), "{end}");
     }
 }
 
@@ -559,7 +488,7 @@ fn the_drain_ends_shutdown_timeout_and_half_the_grace_after_shutdown() {
         !r.m.is_done(),
         "the claim that was running has not returned"
     );
-    r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+    r.candidates(&[1]);
     assert!(r.commands().is_empty(), "took during shutdown");
     assert!(r.m.is_done());
 }
@@ -574,10 +503,8 @@ fn a_connect_cut_short_by_shutdown_does_not_mark_rabbitmq_up() {
     r.handle(Input::Connected(Err(PublishError::Stopped)));
     assert!(matches!(r.m.link, Link::Down { .. }));
     let readiness = r.m.health.readiness();
-    assert!(
-        readiness.problems.contains(&"rabbitmq unreachable"),
-        "{readiness:?}"
-    );
+    let down = readiness.problems.contains(&"rabbitmq unreachable");
+    assert!(down, "{readiness:?}");
 }
 
 /// While the broker blocks the connection nothing is claimed, and what is held, or
@@ -585,23 +512,19 @@ fn a_connect_cut_short_by_shutdown_does_not_mark_rabbitmq_up() {
 #[test]
 fn a_blocked_link_claims_nothing_and_holds_nothing() {
     let mut r = Rig::up(Config::default());
-    assert!(r.commands().iter().any(is_read));
-    r.handle(Input::Candidates(Ok(Candidates::of(vec![Bson::Int32(1)]))));
+    assert!(r.reads());
+    r.candidates(&[1]);
     let _ = r.commands();
-    r.hold(9, Duration::from_secs(60));
-    let nine = r.m.held.take_all().remove(0);
-    r.m.held.defer(nine, i64::MAX);
+    r.m.held.defer(leased(9, r.server(), r.lease(60)), i64::MAX);
     r.handle(Input::Blocked(true));
     assert!(r.m.held.is_empty());
-    let lease = Lease::new(r.server(), Duration::from_secs(60));
+    let lease = r.lease(60);
     let later = crate::store::lease::add(r.server(), Duration::from_secs(30));
-    r.handle(Input::Claimed(Ok(claim_of(
-        vec![leased(1, later, lease)],
-        lease,
-    ))));
+    let claim = claim_of(vec![leased(1, later, lease)], lease);
+    r.handle(Input::Claimed(Ok(claim)));
     assert!(r.m.held.is_empty(), "claimed while blocked: released");
     let commands = r.commands();
-    assert!(!commands.iter().any(is_read), "{commands:?}");
+    assert!(!commands.iter().any(|c| matches!(c, Command::Read { .. })));
     let released: usize = commands
         .iter()
         .map(|c| match c {

@@ -1,13 +1,5 @@
-//! Dispatch: claim due records, publish them, settle each by its outcome.
-//!
-//! - [`machine`]: the core, one state machine that does no I/O. Read it to follow one record
-//!   from claim to delete.
-//! - `driver`: [`Dispatcher`], which runs the machine's commands as tasks and feeds their
-//!   results back, through one `select!`.
-//! - [`leased`]: the one type of a claimed record ([`leased::Leased`]) and the records waiting
-//!   for their instant; `settle`: the work that removes, releases, retries or parks them, in
-//!   one bounded queue; `control`: pauses, ramps, rate limits and refusing destinations.
-//! - [`ratelimit`]: send-rate limits; `summary`: each wave's info log line. RabbitMQ itself is [`crate::rabbit`].
+//! Dispatch: claim due records, publish them, settle each by its outcome. `ARCHITECTURE.md`
+//! says what each file holds; [`machine`] is the core, `driver` ([`Dispatcher`]) runs it.
 //!
 //! Nothing is deleted unless its publish was confirmed and its claim's lease still held; when
 //! in doubt a record is left for a later poll.

@@ -85,11 +85,6 @@ impl RateLimits {
         Some(TRICKLE * (ceiling / TRICKLE).powf(done))
     }
 
-    /// Whether any limit applies at all.
-    pub fn any(&self, ramps: bool) -> bool {
-        ramps || self.instance.is_some() || !self.per_destination.is_empty()
-    }
-
     /// Takes a token for one send to `destination` at `rate` (and one of the instance's), or
     /// says how long to wait for them.
     pub fn take(
@@ -144,16 +139,18 @@ mod tests {
         RateLimits::new(&config)
     }
 
-    /// Sends over `secs` seconds of simulated time, trying every millisecond.
-    fn sent_over(l: &mut RateLimits, dest: &str, secs: u64) -> usize {
+    /// Sends over 10 s of simulated time, trying every millisecond, to each of `dests` in
+    /// turn.
+    fn sent_over_10s(l: &mut RateLimits, dests: &[&str]) -> usize {
         let start = Instant::now();
-        let rate = l.destination_rate(dest, None, 0);
         let mut sent = 0;
-        for ms in 0..secs * 1000 {
-            while l
-                .take(dest, rate, start + Duration::from_millis(ms))
-                .is_ok()
-            {
+        for ms in 0..10_000 {
+            let dest = dests[ms % dests.len()];
+            let (rate, at) = (
+                l.destination_rate(dest, None, 0),
+                start + Duration::from_millis(ms as u64),
+            );
+            while l.take(dest, rate, at).is_ok() {
                 sent += 1;
             }
         }
@@ -163,7 +160,7 @@ mod tests {
     #[test]
     fn a_destination_limit_holds_and_others_run_free() {
         let mut l = limits(None, &[("slow", 50.0)]);
-        let sent = sent_over(&mut l, "slow", 10);
+        let sent = sent_over_10s(&mut l, &["slow"]);
         assert!((495..=506).contains(&sent), "{sent}");
         assert_eq!(l.destination_rate("fast", None, 0), None);
         assert!(l.take("fast", None, Instant::now()).is_ok());
@@ -171,18 +168,7 @@ mod tests {
 
     #[test]
     fn the_instance_limit_covers_every_destination() {
-        let mut l = limits(Some(100.0), &[]);
-        let start = Instant::now();
-        let mut sent = 0;
-        for ms in 0..10_000 {
-            let dest = if ms % 2 == 0 { "a" } else { "b" };
-            while l
-                .take(dest, None, start + Duration::from_millis(ms))
-                .is_ok()
-            {
-                sent += 1;
-            }
-        }
+        let sent = sent_over_10s(&mut limits(Some(100.0), &[]), &["a", "b"]);
         assert!((995..=1_011).contains(&sent), "{sent}");
     }
 

@@ -1,8 +1,8 @@
 //! Settling claimed records once their fate is known: remove what the broker confirmed,
 //! release what could not be sent, retry or park what the broker refused, park what can never
-//! be sent. Each is one [`Settle`] item; the machine queues them in one bounded
-//! [`SettleQueue`] and the driver runs each as a task ([`Settle::run`]). Every write is guarded
-//! by the claim's owner and live lease, and bounded by `[mongodb] operation_timeout`.
+//! be sent. The machine queues each [`Settle`] in one bounded [`SettleQueue`]; the driver runs
+//! each as a task ([`Settler::run`]). Every write is guarded by the claim's owner and live
+//! lease, and bounded by `[mongodb] operation_timeout`.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -32,17 +32,6 @@ pub struct Failure {
     pub attempts: u32,
 }
 
-impl Failure {
-    /// A record no attempt can fix: parked at once.
-    pub fn poison(reason: ParkReason, error: String) -> Self {
-        Self {
-            reason,
-            error,
-            attempts: 0,
-        }
-    }
-}
-
 /// One piece of settling work.
 #[derive(Debug)]
 pub enum Settle {
@@ -69,136 +58,6 @@ pub enum Settle {
     },
 }
 
-/// Settling work waiting for a slot, in one queue: releases first (a released record is one
-/// a peer can send), then removals (a confirmed record must be deleted while its lease holds),
-/// then retries and parkings, each kind in order.
-///
-/// It is bounded by what the machine lets in: while it holds `cap` records or more
-/// ([`SettleQueue::is_full`]) no claim starts, so a destination that refuses every send
-/// cannot pile up more work than the database settles (issue 25, 8.3: refused records queued
-/// without bound, outlived their leases and were claimed again). And nothing in it outlives
-/// its lease: a retry or parking whose lease comes within the safety margin before it got a
-/// slot is released instead ([`SettleQueue::release_expiring`]).
-#[derive(Debug, Default)]
-pub struct SettleQueue {
-    work: VecDeque<Settle>,
-}
-
-impl SettleQueue {
-    /// How many records wait.
-    pub fn records(&self) -> usize {
-        self.work.iter().map(Settle::records).sum()
-    }
-
-    /// Whether no claim may start: `cap` records or more wait to settle.
-    pub fn is_full(&self, cap: usize) -> bool {
-        self.records() >= cap.max(1)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.work.is_empty()
-    }
-
-    /// Queues `work` behind the work of its kind.
-    pub fn push(&mut self, work: Settle) {
-        match work {
-            // Ahead of everything: releases are queued for the records' peers.
-            Settle::Release { .. } => {
-                let at = self.work.iter().take_while(|w| w.rank() == 0).count();
-                self.work.insert(at, work);
-            }
-            // One delete per claim: merged into a removal of the same claim still waiting.
-            Settle::Remove { lease, mut records } => {
-                let waiting = self.work.iter_mut().find_map(|w| match w {
-                    Settle::Remove { lease: l, records } if l.owner == lease.owner => Some(records),
-                    _ => None,
-                });
-                match waiting {
-                    Some(queued) => queued.append(&mut records),
-                    None => {
-                        let at = self.work.iter().take_while(|w| w.rank() <= 1).count();
-                        self.work.insert(at, Settle::Remove { lease, records });
-                    }
-                }
-            }
-            Settle::Refused { .. } | Settle::Park { .. } => self.work.push_back(work),
-        }
-    }
-
-    /// The next work to run.
-    pub fn pop(&mut self) -> Option<Settle> {
-        self.work.pop_front()
-    }
-
-    /// The work, in the order it runs.
-    #[cfg(test)]
-    pub fn work(&self) -> impl Iterator<Item = &Settle> {
-        self.work.iter()
-    }
-
-    /// Confirmed records waiting for a removal: left leased if the machine is dropped.
-    pub fn unremoved(&self) -> usize {
-        self.work
-            .iter()
-            .map(|w| match w {
-                Settle::Remove { records, .. } => records.len(),
-                _ => 0,
-            })
-            .sum()
-    }
-
-    /// Retries and parkings whose lease has less than `margin` left at `now` (server clock)
-    /// are released instead, ahead of the rest: a guarded write that lands after the lease ran
-    /// out matches nothing, and the record would come back to a claim as a lost lease. The
-    /// refusal is not counted then: the record is sent again by the next claim and counted
-    /// on that attempt. Returns how many were released.
-    pub fn release_expiring(&mut self, now: DateTime, margin: Duration) -> usize {
-        let expiring = |s: &Settle| match s {
-            Settle::Refused { leased, .. } => leased.lease.remaining(now) < margin,
-            Settle::Park { lease, .. } => lease.remaining(now) < margin,
-            Settle::Release { .. } | Settle::Remove { .. } => false,
-        };
-        if !self.work.iter().any(expiring) {
-            return 0;
-        }
-        let (late, kept): (Vec<Settle>, Vec<Settle>) = std::mem::take(&mut self.work)
-            .into_iter()
-            .partition(expiring);
-        self.work = kept.into();
-        let held: Vec<(Bson, Lease)> = late
-            .into_iter()
-            .filter_map(|s| match s {
-                Settle::Refused { leased, .. } => Some((leased.id, leased.lease)),
-                Settle::Park { id, lease, .. } => Some((id, lease)),
-                Settle::Release { .. } | Settle::Remove { .. } => None,
-            })
-            .collect();
-        let n = held.len();
-        tracing::warn!(
-            records = n,
-            margin = ?margin,
-            "settling did not start before the lease safety margin; releasing instead"
-        );
-        for work in Settle::releases(held, "margin") {
-            self.push(work);
-        }
-        n
-    }
-}
-
-/// What settling work runs against: the store, the retry rules, history, the health it reports
-/// MongoDB's state into, and when to give up removals at shutdown.
-#[derive(Clone)]
-pub struct Settler {
-    pub store: Store,
-    pub retry: RetryConfig,
-    pub history: Option<HistorySink>,
-    pub health: std::sync::Arc<Health>,
-    pub shutdown: CancellationToken,
-    /// Cancelled when the shutdown's drain ends: removals still running give up.
-    pub drain_over: CancellationToken,
-}
-
 impl Settle {
     /// How many records the work settles.
     pub fn records(&self) -> usize {
@@ -217,405 +76,115 @@ impl Settle {
             Settle::Refused { .. } | Settle::Park { .. } => 2,
         }
     }
+}
 
-    /// The destination of a refused send this work retries or parks.
-    pub fn refused_destination(&self) -> Option<String> {
-        match self {
-            Settle::Refused { leased, .. } => Some(leased.record.destination.clone()),
-            Settle::Release { .. } | Settle::Remove { .. } | Settle::Park { .. } => None,
-        }
+/// Settling work waiting for a slot, in one queue: releases first (a released record is one
+/// a peer can send), then removals (a confirmed record must be deleted while its lease holds),
+/// then retries and parkings, each kind in order.
+///
+/// It is bounded by what the machine lets in: while it holds `cap` records or more
+/// ([`SettleQueue::is_full`]) no claim starts, so a destination that refuses every send
+/// cannot pile up more work than the database settles (issue 25, 8.3: refused records queued
+/// without bound, outlived their leases and were claimed again). And nothing in it outlives
+/// its lease: a retry or parking whose lease comes within the safety margin before it got a
+/// slot is released instead ([`SettleQueue::release_expiring`]).
+#[derive(Debug, Default)]
+pub struct SettleQueue {
+    work: VecDeque<Settle>,
+}
+
+impl SettleQueue {
+    /// Whether no claim may start: `cap` records or more wait to settle.
+    pub fn is_full(&self, cap: usize) -> bool {
+        self.work.iter().map(Settle::records).sum::<usize>() >= cap.max(1)
     }
 
-    /// Releases grouped by claim, one item per claim.
-    pub fn releases(held: Vec<(Bson, Lease)>, reason: &'static str) -> Vec<Settle> {
-        by_lease(held, |(_, l)| *l)
-            .into_iter()
-            .map(|(lease, batch)| Settle::Release {
-                lease,
-                ids: batch.into_iter().map(|(id, _)| id).collect(),
-                reason,
+    pub fn is_empty(&self) -> bool {
+        self.work.is_empty()
+    }
+
+    /// Queues `work` behind the work of its kind; a removal is merged into one of the same
+    /// claim still waiting (one delete per claim).
+    pub fn push(&mut self, mut work: Settle) {
+        if let Settle::Remove { lease, records } = &mut work
+            && let Some(queued) = self.work.iter_mut().find_map(|w| match w {
+                Settle::Remove { lease: l, records } if l.owner == lease.owner => Some(records),
+                _ => None,
             })
-            .collect()
+        {
+            return queued.append(records);
+        }
+        let rank = work.rank();
+        let at = self.work.iter().take_while(|w| w.rank() <= rank).count();
+        self.work.insert(at, work);
     }
 
-    /// Runs the work; parked records go to history when it is on.
-    pub async fn run(self, s: &Settler) {
-        let (store, history) = (&s.store, s.history.as_ref());
-        match self {
-            Settle::Release { lease, ids, reason } => {
-                release(store, &ids, lease.owner, reason).await
-            }
-            Settle::Remove { lease, records } => {
-                remove(
-                    store,
-                    &s.health,
-                    &records,
-                    &lease,
-                    &s.shutdown,
-                    &s.drain_over,
-                )
-                .await
-            }
-            Settle::Refused { leased, outcome } => {
-                retry_or_park(store, &s.retry, *leased, outcome, history).await
-            }
-            Settle::Park {
-                id,
-                raw,
-                destination,
-                lease,
-                failure,
-            } => {
-                park(
-                    store,
-                    &id,
-                    &raw,
-                    &destination,
-                    lease.owner,
-                    &failure,
-                    history,
-                )
-                .await
-            }
+    /// Queues the release of `held`, one item per claim.
+    pub fn release(&mut self, held: Vec<(Bson, Lease)>, reason: &'static str) {
+        for (lease, batch) in by_lease(held, |(_, l)| *l) {
+            let ids = batch.into_iter().map(|(id, _)| id).collect();
+            self.push(Settle::Release { lease, ids, reason });
         }
     }
-}
 
-/// Frees records under the owner guard. A shortfall means their lease ran out first: another
-/// instance may hold them now, which is what a release is for. It is not counted as a lost
-/// lease: a record released unsent can cause no duplicate, and one released after a publish of
-/// unknown outcome was counted when that outcome came in.
-pub async fn release(store: &Store, ids: &[Bson], owner: Uuid, reason: &'static str) {
-    match store
-        .bounded("release", store.release_many(ids, owner))
-        .await
-    {
-        Ok(freed) => {
-            m::released(reason, freed as usize);
-            let expired = ids.len().saturating_sub(freed as usize);
-            if expired > 0 {
-                tracing::info!(%owner, reason, expired, "some records to release were no longer held: their lease had run out");
-            }
-        }
-        Err(e) => {
-            tracing::warn!(%owner, reason, records = ids.len(), error = %e, "release failed; the leases will expire and the reaper frees them")
-        }
-    }
-}
-
-/// A send the broker refused: counted, then retried after back-off (the lease is kept until
-/// the next attempt), or parked after `max_attempts`.
-async fn retry_or_park(
-    store: &Store,
-    retry: &RetryConfig,
-    r: Leased,
-    outcome: SendOutcome,
-    history: Option<&HistorySink>,
-) {
-    let owner = r.lease.owner;
-    let correlation_id = r.record.process_manager_id;
-    let destination = r.record.destination.as_str();
-    let (reason, error) = match outcome {
-        SendOutcome::Nacked => (
-            ParkReason::Nacked,
-            "the broker nacked the publish".to_string(),
-        ),
-        _ => (
-            ParkReason::Unroutable,
-            format!("returned by the broker: no queue is bound to routing key `{destination}`"),
-        ),
-    };
-    let parking = store.parking();
-    let attempts = match store
-        .bounded(
-            "count a failed send",
-            parking.count_failure(&r.id, owner, &error),
-        )
-        .await
-    {
-        Ok(Some(n)) => n,
-        Ok(None) => {
-            m::lease_lost(1);
-            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, "send refused and the lease was lost before the failure was counted");
-            return;
-        }
-        Err(e) => {
-            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not count the failed send; releasing");
-            release(store, std::slice::from_ref(&r.id), owner, "publish_failed").await;
-            return;
-        }
-    };
-    if attempts >= retry.max_attempts {
-        let failure = Failure {
+    /// Queues the release of records this instance holds.
+    pub fn release_all(&mut self, records: Vec<Leased>, reason: &'static str) {
+        self.release(
+            records.into_iter().map(|r| (r.id, r.lease)).collect(),
             reason,
-            error,
-            attempts,
+        );
+    }
+
+    /// The next work to run.
+    pub fn pop(&mut self) -> Option<Settle> {
+        self.work.pop_front()
+    }
+
+    /// The work, in the order it runs.
+    #[cfg(test)]
+    pub fn work(&self) -> impl Iterator<Item = &Settle> {
+        self.work.iter()
+    }
+
+    /// Confirmed records waiting for a removal: left leased if the machine is dropped.
+    pub fn unremoved(&self) -> usize {
+        let removal = |w: &Settle| matches!(w, Settle::Remove { .. }).then(|| w.records());
+        self.work.iter().filter_map(removal).sum()
+    }
+
+    /// Retries and parkings whose lease has less than `margin` left at `now` (server clock)
+    /// are released instead, ahead of the rest: a guarded write that lands after the lease ran
+    /// out matches nothing, and the record would come back to a claim as a lost lease. The
+    /// refusal is not counted then: the record is sent again by the next claim and counted
+    /// on that attempt.
+    pub fn release_expiring(&mut self, now: DateTime, margin: Duration) {
+        let expiring = |s: &Settle| match s {
+            Settle::Refused { leased, .. } => leased.lease.remaining(now) < margin,
+            Settle::Park { lease, .. } => lease.remaining(now) < margin,
+            Settle::Release { .. } | Settle::Remove { .. } => false,
         };
-        park(store, &r.id, &r.raw, destination, owner, &failure, history).await;
-        return;
-    }
-    let wait = retry.delay_after(attempts);
-    let until = crate::store::lease::add(store.clock().now(), wait);
-    match store
-        .bounded("defer a retry", parking.defer(&r.id, owner, until))
-        .await
-    {
-        Ok(true) => {
-            m::retried();
-            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, reason = reason.as_str(), attempt = attempts, max_attempts = retry.max_attempts, retry_in = ?wait, "send refused; retrying after back-off");
-        }
-        Ok(false) => {
-            m::lease_lost(1);
-            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, "send refused and the lease was lost before the retry was scheduled");
-        }
-        Err(e) => {
-            tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not schedule the retry; the record comes back when its lease expires");
-        }
-    }
-}
-
-/// Moves a record to the parking collection (see [`crate::store::parking`]) and, with history on,
-/// records that it was parked and why.
-async fn park(
-    store: &Store,
-    id: &Bson,
-    raw: &Document,
-    destination: &str,
-    owner: Uuid,
-    failure: &Failure,
-    history: Option<&HistorySink>,
-) {
-    let timeout_id = display_id(id);
-    // The stored record, read as it is: a record parked for its shape may lack any of these.
-    let correlation_id = raw
-        .get(field::PROCESS_MANAGER_ID)
-        .and_then(crate::record::guid::from_bson)
-        .map(|u| u.to_string());
-    let correlation_id = correlation_id.as_deref().unwrap_or("-");
-    let destination = match (destination, raw.get(field::DESTINATION)) {
-        ("", Some(Bson::String(d))) => d.as_str(),
-        (d, _) => d,
-    };
-    let Failure {
-        reason,
-        error,
-        attempts,
-    } = failure;
-    let parking = store.parking();
-    match store
-        .bounded(
-            "park a record",
-            parking.park(id, raw, owner, *reason, error, *attempts),
-        )
-        .await
-    {
-        Ok(Parked::LeaseLost) => {
-            m::lease_lost(1);
-            tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), "record not parked: its lease was lost (another owner holds it, or it ran out); the parked copy was taken back");
-        }
-        Ok(Parked::Moved) => {
-            m::parked(reason.as_str());
-            tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason = reason.as_str(), attempts, error, "record parked");
-            if let Some(sink) = history {
-                let ended = Ended {
-                    event: history::event::PARKED,
-                    timeout_id: timeout_id.clone(),
-                    correlation_id: (correlation_id != "-").then(|| correlation_id.to_string()),
-                    destination: (!destination.is_empty()).then(|| destination.to_string()),
-                    due: TimeoutRecord::decode_due(raw, store.encoding()),
-                    attempts: Some(i64::from(*attempts)),
-                    reason: Some(reason.as_str()),
-                    detail: Some(error),
-                };
-                sink.record(vec![ended.row(store.clock().now())]);
-            }
-        }
-        Err(e) => {
-            tracing::warn!(%timeout_id, correlation_id, destination, %owner, error = %e, "parking failed; the record stays leased and comes back when its lease expires");
-        }
-    }
-}
-
-/// Counts the confirmed records of a removal that did not finish as possible duplicates, when
-/// it is dropped before [`Unremoved::settled`]: a removal task aborted at the end of the
-/// shutdown's drain, or one that panicked. Its records stay leased, and whoever claims them
-/// once the lease ran out sends them again.
-struct Unremoved<'a> {
-    confirmed: &'a [Leased],
-    owner: Uuid,
-    settled: bool,
-}
-
-impl Unremoved<'_> {
-    /// The removal accounted for its records itself.
-    fn settled(&mut self) {
-        self.settled = true;
-    }
-}
-
-impl Drop for Unremoved<'_> {
-    fn drop(&mut self) {
-        if self.settled {
+        if !self.work.iter().any(expiring) {
             return;
         }
-        let owner = self.owner;
-        for Leased { record: r, .. } in self.confirmed {
-            tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "removal of a sent record abandoned; it stays leased and may be sent again after the lease");
-        }
-        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.confirmed.len());
+        let (late, kept): (Vec<Settle>, Vec<Settle>) = std::mem::take(&mut self.work)
+            .into_iter()
+            .partition(expiring);
+        self.work = kept.into();
+        let held: Vec<(Bson, Lease)> = late
+            .into_iter()
+            .filter_map(|s| match s {
+                Settle::Refused { leased, .. } => Some((leased.id, leased.lease)),
+                Settle::Park { id, lease, .. } => Some((id, lease)),
+                Settle::Release { .. } | Settle::Remove { .. } => None,
+            })
+            .collect();
+        tracing::warn!(
+            records = held.len(),
+            margin = ?margin,
+            "settling did not start before the lease safety margin; releasing instead"
+        );
+        self.release(held, "margin");
     }
-}
-
-/// Deletes the confirmed records of one claim under its owner guard, after checking that the
-/// lease still holds; retries a failed delete while it does and shutdown has not begun. A
-/// shortfall is a lost lease: the message may be sent again by whoever holds the record now.
-/// Once `drain_over` is cancelled (the shutdown's drain is ending) it gives up and counts the
-/// records it could not remove as possible duplicates, as it does if it is dropped unfinished.
-pub async fn remove(
-    store: &Store,
-    health: &Health,
-    confirmed: &[Leased],
-    lease: &Lease,
-    shutdown: &CancellationToken,
-    drain_over: &CancellationToken,
-) {
-    if confirmed.is_empty() {
-        return;
-    }
-    let owner = lease.owner;
-    let mut unremoved = Unremoved {
-        confirmed,
-        owner,
-        settled: false,
-    };
-    removal_attempts(store, health, confirmed, lease, shutdown, drain_over).await;
-    unremoved.settled();
-}
-
-/// [`remove`]'s attempts; each way out accounts for every record.
-async fn removal_attempts(
-    store: &Store,
-    health: &Health,
-    confirmed: &[Leased],
-    lease: &Lease,
-    shutdown: &CancellationToken,
-    drain_over: &CancellationToken,
-) {
-    let owner = lease.owner;
-    let ids: Vec<Bson> = confirmed.iter().map(|r| r.id.clone()).collect();
-    let mut pacing = Pacing::new(store.operation_timeout());
-    loop {
-        // "Does the lease still hold?" asks the latest the server's clock can read, here as
-        // for the wait below: with the midpoint here, a reading in between (live by the
-        // midpoint, over by the latest) made the wait zero and a delete that failed at once
-        // (connection refused) a busy loop (simulation seed 78).
-        if !lease.is_live(store.clock().latest()) {
-            for Leased { record: r, .. } in confirmed {
-                tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease expired during the publish; not removing (a peer may have re-claimed it)");
-            }
-            sent_and_lost(confirmed.len());
-            return;
-        }
-        let removal = tokio::select! {
-            biased;
-            removal = store.bounded("remove sent records", store.remove_held(&ids, owner)) => removal,
-            _ = drain_over.cancelled() => {
-                // The delete may still land on the server; if it does not, the records are
-                // sent again after the lease.
-                m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
-                tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
-                return;
-            }
-        };
-        // Tests only: the server applied the delete, but its answer was lost.
-        #[cfg(feature = "failpoints")]
-        let removal = match fail::eval("remove-answer-lost", |_| ()) {
-            Some(()) if removal.is_ok() => Err(crate::deadline::Elapsed {
-                what: "remove sent records",
-                limit: std::time::Duration::ZERO,
-            }
-            .into()),
-            _ => removal,
-        };
-        match removal {
-            Ok(deleted) => {
-                let short = ids.len().saturating_sub(deleted as usize);
-                // Only while the lease still holds can a record that is gone have been deleted
-                // by this removal's own earlier attempt; after it ran out, a peer may have
-                // claimed, sent and deleted it.
-                let live = lease.is_live(store.clock().latest());
-                let gone = if short > 0 {
-                    account_for_shortfall(store, &ids, confirmed, owner, short, live).await
-                } else {
-                    0
-                };
-                m::removed(deleted as usize + gone);
-                return;
-            }
-            Err(e) if shutdown.is_cancelled() => {
-                m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
-                tracing::warn!(%owner, records = ids.len(), error = %e, "removing sent records failed during shutdown; they stay leased and may be sent again after the lease");
-                return;
-            }
-            Err(e) => {
-                health.set_up(m::MONGODB, false);
-                let wait = pacing
-                    .failed(&e)
-                    .min(lease.remaining(store.clock().latest()));
-                tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = shutdown.cancelled() => {}
-                }
-            }
-        }
-    }
-}
-
-/// A guarded delete removed `short` fewer records than it was given. Those still in the
-/// collection are held by another owner now: lost leases, possible duplicates, each named.
-/// While the lease is `live`, those gone were deleted by an earlier attempt of this removal
-/// whose answer was lost (a deadline or a cut connection after the server applied it): nobody
-/// else can delete a record under this instance's live lease. Once it ran out, a peer may have
-/// sent and deleted them: lost leases too. Returns how many count as removed.
-async fn account_for_shortfall(
-    store: &Store,
-    ids: &[Bson],
-    confirmed: &[Leased],
-    owner: Uuid,
-    short: usize,
-    live: bool,
-) -> usize {
-    if !live {
-        sent_and_lost(short);
-        tracing::warn!(%owner, records = short, "lease ran out before the sent records could be removed; a peer may send them again");
-        return 0;
-    }
-    match store.bounded("name lost leases", store.existing(ids)).await {
-        Ok(still_there) => {
-            let lost = confirmed
-                .iter()
-                .filter(|r| still_there.contains(&r.id))
-                .inspect(|Leased { record: r, .. }| {
-                    tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "lease lost: record was sent but is held by another owner now; it may be sent again");
-                })
-                .count();
-            sent_and_lost(lost);
-            short.saturating_sub(lost)
-        }
-        Err(e) => {
-            sent_and_lost(short);
-            tracing::warn!(%owner, error = %e, records = short, "lease lost on some sent records; could not name them");
-            0
-        }
-    }
-}
-
-/// `n` confirmed records whose lease was lost before their removal: a lost lease, and a
-/// possible duplicate (whoever holds them now sends them again).
-fn sent_and_lost(n: usize) {
-    m::lease_lost(n);
-    m::possible_duplicates(m::DUPLICATE_LEASE_LOST, n);
 }
 
 /// Groups items by the lease of the claim that took them, in first-seen order.
@@ -631,16 +200,330 @@ pub fn by_lease<T>(items: Vec<T>, lease_of: impl Fn(&T) -> Lease) -> Vec<(Lease,
     groups
 }
 
+/// What settling work runs against: the store, the retry rules, history, the health it reports
+/// MongoDB's state into, and when to give up removals at shutdown.
+#[derive(Clone)]
+pub struct Settler {
+    pub store: Store,
+    pub retry: RetryConfig,
+    pub history: Option<HistorySink>,
+    pub health: std::sync::Arc<Health>,
+    pub shutdown: CancellationToken,
+    /// Cancelled when the shutdown's drain ends: removals still running give up.
+    pub drain_over: CancellationToken,
+}
+
+impl Settler {
+    /// Runs `work`; parked records go to history when it is on.
+    pub async fn run(&self, work: Settle) {
+        match work {
+            Settle::Release { lease, ids, reason } => self.release(&ids, lease.owner, reason).await,
+            Settle::Remove { lease, records } => self.remove(&records, &lease).await,
+            Settle::Refused { leased, outcome } => self.retry_or_park(*leased, outcome).await,
+            Settle::Park {
+                id,
+                raw,
+                destination,
+                lease,
+                failure,
+            } => {
+                self.park(&id, &raw, &destination, lease.owner, &failure)
+                    .await
+            }
+        }
+    }
+
+    /// Frees records under the owner guard. A shortfall means their lease ran out first:
+    /// another instance may hold them now, which is what a release is for. It is not counted
+    /// as a lost lease: a record released unsent can cause no duplicate, and one released
+    /// after a publish of unknown outcome was counted when that outcome came in.
+    async fn release(&self, ids: &[Bson], owner: Uuid, reason: &'static str) {
+        let store = &self.store;
+        match store
+            .bounded("release", store.release_many(ids, owner))
+            .await
+        {
+            Ok(freed) => {
+                m::released(reason, freed as usize);
+                let expired = ids.len().saturating_sub(freed as usize);
+                if expired > 0 {
+                    tracing::info!(%owner, reason, expired, "some records to release were no longer held: their lease had run out");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%owner, reason, records = ids.len(), error = %e, "release failed; the leases will expire and the reaper frees them")
+            }
+        }
+    }
+
+    /// A send the broker refused: counted, then retried after back-off (the lease is kept
+    /// until the next attempt), or parked after `max_attempts`.
+    async fn retry_or_park(&self, r: Leased, outcome: SendOutcome) {
+        let (store, retry) = (&self.store, &self.retry);
+        let owner = r.lease.owner;
+        let correlation_id = r.record.process_manager_id;
+        let destination = r.record.destination.as_str();
+        let (reason, error) = match outcome {
+            SendOutcome::Nacked => (ParkReason::Nacked, "the broker nacked the publish".into()),
+            _ => (
+                ParkReason::Unroutable,
+                format!("returned by the broker: no queue is bound to routing key `{destination}`"),
+            ),
+        };
+        let parking = store.parking();
+        let counted = parking.count_failure(&r.id, owner, &error);
+        let attempts = match store.bounded("count a failed send", counted).await {
+            Ok(Some(n)) => n,
+            Ok(None) => {
+                m::lease_lost(1);
+                tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, "send refused and the lease was lost before the failure was counted");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not count the failed send; releasing");
+                let id = std::slice::from_ref(&r.id);
+                return self.release(id, owner, "publish_failed").await;
+            }
+        };
+        if attempts >= retry.max_attempts {
+            let failure = Failure {
+                reason,
+                error,
+                attempts,
+            };
+            return self.park(&r.id, &r.raw, destination, owner, &failure).await;
+        }
+        let wait = retry.delay_after(attempts);
+        let until = crate::store::lease::add(store.clock().now(), wait);
+        let deferred = parking.defer(&r.id, owner, until);
+        match store.bounded("defer a retry", deferred).await {
+            Ok(true) => {
+                m::retried();
+                tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, reason = reason.as_str(), attempt = attempts, max_attempts = retry.max_attempts, retry_in = ?wait, "send refused; retrying after back-off");
+            }
+            Ok(false) => {
+                m::lease_lost(1);
+                tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, "send refused and the lease was lost before the retry was scheduled");
+            }
+            Err(e) => {
+                tracing::warn!(timeout_id = %r.record.id, %correlation_id, destination, %owner, error = %e, "could not schedule the retry; the record comes back when its lease expires");
+            }
+        }
+    }
+
+    /// Moves a record to the parking collection (see [`crate::store::parking`]) and, with
+    /// history on, records that it was parked and why.
+    async fn park(&self, id: &Bson, raw: &Document, destination: &str, owner: Uuid, f: &Failure) {
+        let store = &self.store;
+        let timeout_id = display_id(id);
+        // The stored record, read as it is: a record parked for its shape may lack any of these.
+        let correlation_id = raw
+            .get(field::PROCESS_MANAGER_ID)
+            .and_then(crate::record::guid::from_bson)
+            .map(|u| u.to_string());
+        let correlation_id = correlation_id.as_deref().unwrap_or("-");
+        let destination = match (destination, raw.get(field::DESTINATION)) {
+            ("", Some(Bson::String(d))) => d.as_str(),
+            (d, _) => d,
+        };
+        let (reason, error, attempts) = (f.reason.as_str(), f.error.as_str(), f.attempts);
+        let parking = store.parking();
+        let parked = parking.park(id, raw, owner, f.reason, error, attempts);
+        match store.bounded("park a record", parked).await {
+            Ok(Parked::LeaseLost) => {
+                m::lease_lost(1);
+                tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason, "record not parked: its lease was lost (another owner holds it, or it ran out); the parked copy was taken back");
+            }
+            Ok(Parked::Moved) => {
+                m::parked(reason);
+                tracing::warn!(%timeout_id, correlation_id, destination, %owner, reason, attempts, error, "record parked");
+                if let Some(sink) = &self.history {
+                    let ended = Ended {
+                        event: history::event::PARKED,
+                        timeout_id: timeout_id.clone(),
+                        correlation_id: (correlation_id != "-").then(|| correlation_id.into()),
+                        destination: (!destination.is_empty()).then(|| destination.into()),
+                        due: TimeoutRecord::decode_due(raw, store.encoding()),
+                        attempts: Some(i64::from(attempts)),
+                        reason: Some(reason),
+                        detail: Some(error),
+                    };
+                    sink.record(vec![ended.row(store.clock().now())]);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%timeout_id, correlation_id, destination, %owner, error = %e, "parking failed; the record stays leased and comes back when its lease expires");
+            }
+        }
+    }
+
+    /// Deletes the confirmed records of one claim under its owner guard, after checking that
+    /// the lease still holds; retries a failed delete while it does and shutdown has not
+    /// begun. A shortfall is a lost lease: the message may be sent again by whoever holds the
+    /// record now. Once `drain_over` is cancelled (the shutdown's drain is ending) it gives up
+    /// and counts the records it could not remove as possible duplicates, as it does if it is
+    /// dropped unfinished.
+    pub async fn remove(&self, confirmed: &[Leased], lease: &Lease) {
+        let unfinished = Unremoved(confirmed, lease.owner);
+        self.removal_attempts(confirmed, lease).await;
+        // Each way out of the attempts accounted for every record.
+        std::mem::forget(unfinished);
+    }
+
+    async fn removal_attempts(&self, confirmed: &[Leased], lease: &Lease) {
+        let store = &self.store;
+        let owner = lease.owner;
+        let ids: Vec<Bson> = confirmed.iter().map(|r| r.id.clone()).collect();
+        let mut pacing = Pacing::new(store.operation_timeout());
+        loop {
+            // "Does the lease still hold?" asks the latest the server's clock can read, here as
+            // for the wait below: with the midpoint here, a reading in between (live by the
+            // midpoint, over by the latest) made the wait zero and a delete that failed at once
+            // (connection refused) a busy loop (simulation seed 78).
+            if !lease.is_live(store.clock().latest()) {
+                warn_each(
+                    confirmed,
+                    owner,
+                    "lease expired during the publish; not removing (a peer may have re-claimed it)",
+                );
+                return sent_and_lost(confirmed.len());
+            }
+            let removal = tokio::select! {
+                biased;
+                removal = store.bounded("remove sent records", store.remove_held(&ids, owner)) => removal,
+                _ = self.drain_over.cancelled() => {
+                    // The delete may still land on the server; if it does not, the records are
+                    // sent again after the lease.
+                    m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
+                    tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
+                    return;
+                }
+            };
+            // Tests only: the server applied the delete, but its answer was lost.
+            #[cfg(feature = "failpoints")]
+            let removal = match fail::eval("remove-answer-lost", |_| ()) {
+                Some(()) if removal.is_ok() => Err(crate::deadline::Elapsed {
+                    what: "remove sent records",
+                    limit: std::time::Duration::ZERO,
+                }
+                .into()),
+                _ => removal,
+            };
+            match removal {
+                Ok(deleted) => {
+                    let short = ids.len().saturating_sub(deleted as usize);
+                    // Only while the lease still holds can a record that is gone have been
+                    // deleted by this removal's own earlier attempt; after it ran out, a peer
+                    // may have claimed, sent and deleted it.
+                    let live = lease.is_live(store.clock().latest());
+                    let gone = match short {
+                        0 => 0,
+                        _ => self.shortfall(&ids, confirmed, owner, short, live).await,
+                    };
+                    return m::removed(deleted as usize + gone);
+                }
+                Err(e) if self.shutdown.is_cancelled() => {
+                    m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
+                    tracing::warn!(%owner, records = ids.len(), error = %e, "removing sent records failed during shutdown; they stay leased and may be sent again after the lease");
+                    return;
+                }
+                Err(e) => {
+                    self.health.set_up(m::MONGODB, false);
+                    let left = lease.remaining(store.clock().latest());
+                    let wait = pacing.failed(&e).min(left);
+                    tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = self.shutdown.cancelled() => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// A guarded delete removed `short` fewer records than it was given. Those still in the
+    /// collection are held by another owner now: lost leases, possible duplicates, each named.
+    /// While the lease is `live`, those gone were deleted by an earlier attempt of this
+    /// removal whose answer was lost (a deadline or a cut connection after the server applied
+    /// it): nobody else can delete a record under this instance's live lease. Once it ran
+    /// out, a peer may have sent and deleted them: lost leases too. Returns how many count as
+    /// removed.
+    async fn shortfall(
+        &self,
+        ids: &[Bson],
+        confirmed: &[Leased],
+        owner: Uuid,
+        short: usize,
+        live: bool,
+    ) -> usize {
+        if !live {
+            sent_and_lost(short);
+            tracing::warn!(%owner, records = short, "lease ran out before the sent records could be removed; a peer may send them again");
+            return 0;
+        }
+        let store = &self.store;
+        match store.bounded("name lost leases", store.existing(ids)).await {
+            Ok(still_there) => {
+                let lost: Vec<&Leased> = confirmed
+                    .iter()
+                    .filter(|r| still_there.contains(&r.id))
+                    .collect();
+                warn_each(
+                    lost.iter().copied(),
+                    owner,
+                    "lease lost: record was sent but is held by another owner now; it may be sent again",
+                );
+                sent_and_lost(lost.len());
+                short.saturating_sub(lost.len())
+            }
+            Err(e) => {
+                sent_and_lost(short);
+                tracing::warn!(%owner, error = %e, records = short, "lease lost on some sent records; could not name them");
+                0
+            }
+        }
+    }
+}
+
+/// A removal's confirmed records, counted as possible duplicates if it is dropped unfinished
+/// (aborted at the end of the shutdown's drain, or panicked): they stay leased, and whoever
+/// claims them once the lease ran out sends them again.
+struct Unremoved<'a>(&'a [Leased], Uuid);
+
+impl Drop for Unremoved<'_> {
+    fn drop(&mut self) {
+        warn_each(
+            self.0,
+            self.1,
+            "removal of a sent record abandoned; it stays leased and may be sent again after the lease",
+        );
+        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.0.len());
+    }
+}
+
+/// One warning per record, naming it.
+fn warn_each<'a>(records: impl IntoIterator<Item = &'a Leased>, owner: Uuid, what: &str) {
+    for Leased { record: r, .. } in records {
+        tracing::warn!(timeout_id = %r.id, correlation_id = %r.process_manager_id, destination = %r.destination, %owner, "{what}");
+    }
+}
+
+/// `n` confirmed records whose lease was lost before their removal: a lost lease, and a
+/// possible duplicate (whoever holds them now sends them again).
+fn sent_and_lost(n: usize) {
+    m::lease_lost(n);
+    m::possible_duplicates(m::DUPLICATE_LEASE_LOST, n);
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     //! Removals against a store whose server accepts connections and never answers, on
     //! virtual time.
 
-    use std::collections::BTreeMap;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
     use bson::doc;
+    use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
     use tokio::time::Instant;
 
     use super::*;
@@ -655,20 +538,23 @@ pub(crate) mod tests {
         (listener, port)
     }
 
-    /// A store on a server that accepts and never answers, with calls bounded by `timeout`.
-    async fn silent_store(port: u16, timeout: Duration) -> Store {
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    type Removal = (Settler, Vec<Leased>, Lease);
+
+    /// A settler (shutdown begun) on a server that accepts and never answers, with calls
+    /// bounded by `timeout`, and `n` confirmed records of one claim leased for `lease`.
+    async fn stalled(port: u16, timeout: Duration, n: i32, lease: Duration) -> Removal {
         let mut config = Config::default();
         config.mongodb.uri = format!(
             "mongodb://127.0.0.1:{port}/?directConnection=true&serverSelectionTimeoutMS=36000000"
         );
         config.mongodb.operation_timeout = timeout;
-        Store::connect(&config.mongodb, ServerClock::default())
+        let store = Store::connect(&config.mongodb, ServerClock::default())
             .await
-            .expect("store")
-    }
-
-    fn sent(n: i32, now: DateTime) -> Leased {
-        Leased {
+            .expect("store");
+        let now = store.clock().now();
+        let sent = |n| Leased {
             id: Bson::Int32(n),
             raw: doc! {},
             record: TimeoutRecord {
@@ -679,71 +565,25 @@ pub(crate) mod tests {
                 headers: doc! {},
             },
             lease: Lease::new(now, Duration::from_secs(1)),
-        }
+        };
+        let settler = Settler {
+            store,
+            retry: config.retry,
+            history: None,
+            health: Arc::new(Health::new(Duration::from_secs(1))),
+            shutdown: CancellationToken::new(),
+            drain_over: CancellationToken::new(),
+        };
+        settler.shutdown.cancel();
+        (settler, (0..n).map(sent).collect(), Lease::new(now, lease))
     }
 
-    /// Counters recorded on this thread while it is installed (a current-thread runtime runs
-    /// every task of the test on it).
-    #[derive(Default)]
-    struct Counts(Mutex<BTreeMap<String, Arc<AtomicU64>>>);
-
-    impl Counts {
-        /// The records counted as possible duplicates, whatever the series is named.
-        fn possible_duplicates(&self) -> u64 {
-            let counters = self.0.lock().expect("counts");
-            counters
-                .iter()
-                .filter(|(name, _)| name.contains("duplicate") || name.contains("lease_lost"))
-                .map(|(_, c)| c.load(Ordering::Relaxed))
-                .sum()
-        }
-    }
-
-    impl metrics::Recorder for Counts {
-        fn describe_counter(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_gauge(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_histogram(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn register_counter(
-            &self,
-            key: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Counter {
-            let labels: Vec<String> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            let name = format!("{}{{{}}}", key.name(), labels.join(","));
-            let mut counters = self.0.lock().expect("counts");
-            metrics::Counter::from_arc(counters.entry(name).or_default().clone())
-        }
-        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-            metrics::Gauge::noop()
-        }
-        fn register_histogram(
-            &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Histogram {
-            metrics::Histogram::noop()
-        }
+    /// The records counted as possible duplicates or lost leases.
+    fn possible_duplicates(metrics: &PrometheusHandle) -> f64 {
+        let counted = |l: &&str| l.contains("duplicate") || l.contains("lease_lost");
+        let value = |l: &str| l.rsplit(' ').next()?.parse::<f64>().ok();
+        let text = metrics.render();
+        text.lines().filter(counted).filter_map(value).sum()
     }
 
     /// Issue 25, 8.6: after SIGTERM, a removal still waiting for MongoDB when the daemon's
@@ -752,25 +592,17 @@ pub(crate) mod tests {
     /// possible duplicates.
     #[tokio::test(start_paused = true)]
     async fn a_removal_aborted_unfinished_counts_its_records_as_possible_duplicates() {
-        let counts = Counts::default();
-        let _recorder = metrics::set_default_local_recorder(&counts);
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
         let (_server, port) = silent_server();
-        let store = silent_store(port, Duration::from_secs(60)).await;
-        let health = Health::new(Duration::from_secs(1));
-        let now = store.clock().now();
-        let confirmed: Vec<Leased> = (0..3).map(|n| sent(n, now)).collect();
-        let lease = Lease::new(now, Duration::from_secs(300));
-        let (shutdown, drain_over) = (CancellationToken::new(), CancellationToken::new());
-        shutdown.cancel();
-        let removal = crate::host::spawn(async move {
-            remove(&store, &health, &confirmed, &lease, &shutdown, &drain_over).await;
-        });
+        let (settler, confirmed, lease) = stalled(port, Duration::from_secs(60), 3, HOUR).await;
+        let removal = crate::host::spawn(async move { settler.remove(&confirmed, &lease).await });
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!removal.is_finished(), "the delete waits for the server");
         // As the supervisor does at the drain deadline.
         removal.abort();
         assert!(removal.await.is_err_and(|e| e.is_cancelled()));
-        assert_eq!(counts.possible_duplicates(), 3);
+        assert_eq!(possible_duplicates(&recorder.handle()), 3.0);
     }
 
     /// Issue 25, 8.6: removals give up when the shutdown's drain ends (before the daemon
@@ -778,29 +610,23 @@ pub(crate) mod tests {
     /// the drain ends is the machine's rule (`the_drain_ends_...` in `machine.rs`).
     #[tokio::test(start_paused = true)]
     async fn removals_give_up_when_the_drain_ends_and_count_their_records() {
-        let counts = Counts::default();
-        let _recorder = metrics::set_default_local_recorder(&counts);
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
         // A removal whose delete would wait its whole operation_timeout.
         let (_server, port) = silent_server();
-        let store = silent_store(port, Duration::from_secs(600)).await;
-        let health = Health::new(Duration::from_secs(1));
-        let now = store.clock().now();
-        let confirmed: Vec<Leased> = (0..2).map(|n| sent(n, now)).collect();
-        let lease = Lease::new(now, Duration::from_secs(3600));
-        let (shutdown, drain_over) = (CancellationToken::new(), CancellationToken::new());
-        shutdown.cancel();
+        let (settler, confirmed, lease) = stalled(port, Duration::from_secs(600), 2, HOUR).await;
         let over = Instant::now() + Duration::from_secs(25);
-        let ending = drain_over.clone();
+        let ending = settler.drain_over.clone();
         crate::host::spawn(async move {
             tokio::time::sleep_until(over).await;
             ending.cancel();
         });
-        remove(&store, &health, &confirmed, &lease, &shutdown, &drain_over).await;
+        settler.remove(&confirmed, &lease).await;
         let now = Instant::now();
         assert!(
             now >= over && now < over + Duration::from_secs(1),
             "it gave up when the drain ended, not at its operation_timeout"
         );
-        assert_eq!(counts.possible_duplicates(), 2);
+        assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
     }
 }

@@ -23,36 +23,27 @@ impl WaveSummary {
         self.sent += 1;
         let (lo, hi) = self.late_ms.unwrap_or((late_ms, late_ms));
         self.late_ms = Some((lo.min(late_ms), hi.max(late_ms)));
-        if let Some(n) = self.destinations.get_mut(destination) {
-            *n += 1;
-            return;
-        }
-        let key = match self.destinations.len() < SUMMARY_DESTINATIONS {
-            true => destination,
-            false => "(others)",
-        };
+        let named = self.destinations.len() < SUMMARY_DESTINATIONS
+            || self.destinations.contains_key(destination);
+        let key = if named { destination } else { "(others)" };
         *self.destinations.entry(key.to_string()).or_default() += 1;
-    }
-
-    /// `q1=3 q2=5`.
-    fn destinations(&self) -> String {
-        let shown: Vec<String> = self
-            .destinations
-            .iter()
-            .map(|(d, n)| format!("{d}={n}"))
-            .collect();
-        shown.join(" ")
     }
 
     pub(super) fn log(&self, took: Duration) {
         let (late_min, late_max) = self.late_ms.unwrap_or_default();
+        // `q1=3 q2=5`.
+        let destinations: Vec<String> = self
+            .destinations
+            .iter()
+            .map(|(d, n)| format!("{d}={n}"))
+            .collect();
         tracing::info!(
             sent = self.sent,
             refused = self.refused,
             failed = self.failed,
             late_ms_min = late_min,
             late_ms_max = late_max,
-            destinations = %self.destinations(),
+            destinations = %destinations.join(" "),
             took_ms = took.as_millis() as u64,
             "wave sent"
         );
