@@ -330,19 +330,43 @@ impl Machine {
             && self.held.is_empty()
     }
 
-    /// Whether a claim may start once its time comes: the link is up and not blocked by the
-    /// broker, no claim is running, and fewer than two batches are held and fewer than two
-    /// wait to settle ([`SettleQueue`] says why; two, so that while one batch of refusals
-    /// settles, a claim that leaves their destination out still serves the others).
-    pub fn can_claim(&self) -> bool {
-        let cap = 2 * self.config.dispatch.batch_size as usize;
-        matches!(self.link, Link::Idle { .. } | Link::Publishing(_))
+    /// Whether a claim may start once its time comes ([`Machine::claim_ahead`]).
+    pub fn can_claim(&self, now: &Now) -> bool {
+        self.claim_ahead(now).is_some()
+    }
+
+    /// How far ahead a claim may read if one may start once its time comes: the link is up
+    /// and not blocked by the broker, no claim is running, fewer than two batches wait to
+    /// settle ([`SettleQueue`] says why; two, so that while one batch of refusals settles, a
+    /// claim that leaves their destination out still serves the others), and fewer than two
+    /// batches are held. With two batches held, one more may be taken of the records due
+    /// before the soonest held one, while that is still ahead: a record inserted due sooner
+    /// than everything held is not kept waiting behind it (the simulation's `late` invariant,
+    /// seed 2938: an instance of batch 1 held two records and sent one inserted due before
+    /// both 767 ms late), and an instance whose held records are due takes no more.
+    pub fn claim_ahead(&self, now: &Now) -> Option<Duration> {
+        let batch = self.config.dispatch.batch_size as usize;
+        let look_ahead = self.config.dispatch.look_ahead();
+        let may = matches!(self.link, Link::Idle { .. } | Link::Publishing(_))
             && self.stopping.is_none()
             && !self.blocked
             && matches!(self.claims.step, Step::Idle)
-            && self.held.len() < cap
-            && !self.settle.is_full(cap)
-            && !self.rate_saturated()
+            && !self.settle.is_full(2 * batch)
+            && !self.rate_saturated();
+        match self.held.len() {
+            _ if !may => None,
+            held if held < 2 * batch => Some(look_ahead),
+            held if held < 3 * batch => {
+                // Strictly before it: records due at the same instant stay for a later claim.
+                let soonest = self.held.next_due()?.timestamp_millis();
+                let ahead = soonest
+                    .checked_sub(now.server.timestamp_millis())?
+                    .saturating_sub(1);
+                let ahead = u64::try_from(ahead).ok().filter(|ms| *ms > 0)?;
+                Some(Duration::from_millis(ahead).min(look_ahead))
+            }
+            _ => None,
+        }
     }
 
     /// The next instant the machine cares about: a record falling due, a claim, a
@@ -360,7 +384,7 @@ impl Machine {
         {
             at(instant_of(due, now.earliest, now.at));
         }
-        if self.can_claim() {
+        if self.can_claim(now) {
             at(self.claims.next_at());
         }
         if let Some(began) = self.stopping
@@ -479,8 +503,10 @@ impl Machine {
                 Link::Opening | Link::Publishing(_) => {}
             }
         }
-        // `can_claim` says no claim is running.
-        if self.can_claim() && now.at >= self.claims.next_at() {
+        // `claim_ahead` says no claim is running.
+        if let Some(ahead) = self.claim_ahead(now)
+            && now.at >= self.claims.next_at()
+        {
             let gate = match &self.link {
                 Link::Publishing(w) if !w.answered && w.stopped => Gate::Shut,
                 Link::Publishing(w) if !w.answered => Gate::Waiting,
@@ -490,10 +516,9 @@ impl Machine {
                 started: now.at,
                 gate,
             };
-            let d = &self.config.dispatch;
             return Some(Command::Read {
-                batch: d.batch_size,
-                ahead: d.look_ahead(),
+                batch: self.config.dispatch.batch_size,
+                ahead,
                 excluded: self.control.excluded(&self.held, now.at, now.server),
             });
         }

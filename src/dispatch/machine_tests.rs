@@ -189,15 +189,21 @@ fn claims_wait_while_two_batches_wait_to_settle() {
     let mut config = Config::default();
     config.dispatch.batch_size = 10;
     let mut r = Rig::up(config);
-    assert!(r.m.can_claim(), "nothing held, nothing to settle");
+    assert!(r.m.can_claim(&r.now()), "nothing held, nothing to settle");
     let lease = r.lease(300);
     (0..20).for_each(|n| r.m.settle.push(refused(n, lease)));
-    assert!(!r.m.can_claim(), "a claim starts while 20 wait to settle");
+    assert!(
+        !r.m.can_claim(&r.now()),
+        "a claim starts while 20 wait to settle"
+    );
     let _ = r.m.settle.pop();
-    assert!(r.m.can_claim(), "less than two batches wait");
+    assert!(r.m.can_claim(&r.now()), "less than two batches wait");
     let records = vec![leased(20, r.server(), lease)];
     r.m.settle.push(Settle::Remove { lease, records });
-    assert!(!r.m.can_claim(), "a record waiting for removal counts");
+    assert!(
+        !r.m.can_claim(&r.now()),
+        "a record waiting for removal counts"
+    );
 }
 
 /// Issue 25, 8.3: a refused record waited to settle until its lease ran out; its retry
@@ -533,4 +539,56 @@ fn a_blocked_link_claims_nothing_and_holds_nothing() {
         })
         .sum();
     assert_eq!(released, 2);
+}
+
+/// The simulation's `late` invariant, seed 2938: with batch 1, an instance held two records
+/// due later and claimed nothing until one was sent, so a record inserted due before both
+/// went out 767 ms late. With two batches held, a claim now reads up to (not including) the
+/// soonest held record, one batch more at the most.
+#[test]
+fn with_two_batches_held_a_claim_reads_only_what_is_due_before_them() {
+    let mut config = Config::default();
+    config.dispatch.batch_size = 1;
+    config.dispatch.poll_interval = Duration::from_secs(1);
+    let mut r = Rig::up(config);
+    let read_ahead = |r: &mut Rig| {
+        r.commands().into_iter().find_map(|c| match c {
+            Command::Read { ahead, .. } => Some(ahead),
+            _ => None,
+        })
+    };
+    assert_eq!(
+        read_ahead(&mut r),
+        Some(Duration::from_secs(2)),
+        "the look-ahead"
+    );
+    let lease = r.lease(60);
+    let nothing = |r: &mut Rig| {
+        r.candidates(&[]);
+        assert!(r.takes());
+        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
+    };
+    nothing(&mut r);
+    let soon = DateTime::from_millis(r.server().timestamp_millis() + 1_500);
+    for n in 0..2 {
+        r.m.held.push(leased(n, soon, lease));
+    }
+    r.handle(Input::Inserted);
+    assert_eq!(
+        read_ahead(&mut r),
+        Some(Duration::from_millis(1_499)),
+        "two batches held: only what is due before the soonest"
+    );
+    nothing(&mut r);
+    r.m.held.push(leased(2, soon, lease));
+    r.handle(Input::Inserted);
+    assert_eq!(read_ahead(&mut r), None, "three batches held: no claim");
+    let _ = r.m.held.take_matching(|h| h.id == Bson::Int32(2));
+    r.advance(Duration::from_millis(1_499));
+    r.handle(Input::Inserted);
+    assert_eq!(
+        read_ahead(&mut r),
+        None,
+        "nothing is due before the soonest held"
+    );
 }
