@@ -5,6 +5,11 @@ use std::time::Duration;
 
 use bson::DateTime;
 
+/// A gauge's value for a yes-or-no reading.
+fn flag(on: bool) -> f64 {
+    f64::from(u8::from(on))
+}
+
 pub fn claimed(n: usize) {
     metrics::counter!("timeoutd_claimed_total").increment(n as u64);
 }
@@ -84,16 +89,12 @@ pub fn publish_confirm(d: Duration) {
 }
 
 pub fn dependency_up(dependency: &'static str, up: bool) {
-    metrics::gauge!("timeoutd_dependency_up", "dependency" => dependency).set(if up {
-        1.0
-    } else {
-        0.0
-    });
+    metrics::gauge!("timeoutd_dependency_up", "dependency" => dependency).set(flag(up));
 }
 
 /// Readiness as `/readyz` reports it, set just before each scrape renders.
 pub fn ready(ready: bool) {
-    metrics::gauge!("timeoutd_ready").set(if ready { 1.0 } else { 0.0 });
+    metrics::gauge!("timeoutd_ready").set(flag(ready));
 }
 
 pub fn clock_offset(offset_ms: i64) {
@@ -151,14 +152,13 @@ pub fn rabbitmq_failover() {
 /// The node in use: 1 for `node`, 0 for every other node of the list.
 pub fn rabbitmq_node(node: &str, all: &[String]) {
     for other in all {
-        let value = if other == node { 1.0 } else { 0.0 };
-        metrics::gauge!("timeoutd_rabbitmq_node", "node" => other.clone()).set(value);
+        metrics::gauge!("timeoutd_rabbitmq_node", "node" => other.clone()).set(flag(other == node));
     }
 }
 
 /// Whether the broker blocked the connection (`connection.blocked`: a memory or disk alarm).
 pub fn rabbitmq_blocked(blocked: bool) {
-    metrics::gauge!("timeoutd_rabbitmq_blocked").set(if blocked { 1.0 } else { 0.0 });
+    metrics::gauge!("timeoutd_rabbitmq_blocked").set(flag(blocked));
 }
 
 /// History rows written.
@@ -173,7 +173,7 @@ pub fn history_lost(reason: &'static str, n: usize) {
 
 /// Whether the daemon runs all its essential tasks.
 pub fn up(up: bool) {
-    metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });
+    metrics::gauge!("timeoutd_up").set(flag(up));
 }
 
 /// The destinations paused now, as the dispatch loop applies them.
