@@ -174,30 +174,34 @@ impl Nodes {
         self.uris.is_empty()
     }
 
-    /// Every node's URI, in the configured order.
-    pub fn uris(&self) -> &[String] {
-        &self.uris
+    /// Every node's label, in the configured order.
+    pub fn labels(&self) -> Vec<String> {
+        self.uris.iter().map(|u| label(u)).collect()
+    }
+
+    /// Every node, credentials hidden ([`redact_list`]).
+    pub fn redacted(&self) -> String {
+        redact_list(&self.uris.join(","))
+    }
+
+    /// The label of node `i`.
+    fn label_of(&self, i: usize) -> String {
+        self.uris.get(i).map_or_else(String::new, |u| label(u))
     }
 
     /// The label of the node in use (or to be tried first).
     pub fn current_label(&self) -> String {
-        self.uris
-            .get(self.current)
-            .map_or_else(String::new, |u| label(u))
+        self.label_of(self.current)
     }
 
     /// The indices to try, in order, with their URIs: from the node in use, or from the one
     /// after it when its link failed (the failed one then comes last).
-    pub fn order(&self) -> Vec<(usize, &str)> {
+    pub fn order(&self) -> Vec<(usize, String)> {
         let n = self.uris.len();
-        let first = if self.failed {
-            self.current + 1
-        } else {
-            self.current
-        };
+        let first = self.current + usize::from(self.failed);
         (0..n)
             .map(|k| (first + k) % n)
-            .filter_map(|i| self.uris.get(i).map(|u| (i, u.as_str())))
+            .filter_map(|i| self.uris.get(i).map(|u| (i, u.clone())))
             .collect()
     }
 
@@ -214,7 +218,7 @@ impl Nodes {
         self.failed = false;
         match before {
             Some(from) if from != self.current => Some(Failover {
-                from: self.uris.get(from).map_or_else(String::new, |u| label(u)),
+                from: self.label_of(from),
                 to: self.current_label(),
             }),
             _ => None,
