@@ -117,12 +117,10 @@ pub async fn run_with(
         "timeoutd starting"
     );
 
-    let result = run_tasks_under(config, store, publisher, health, shutdown, tasks, |tasks| {
-        http_stop.cancel();
-        tasks
+    run_tasks_under(config, store, publisher, health, shutdown, tasks, || {
+        http_stop.cancel()
     })
-    .await;
-    result?;
+    .await?;
     tracing::info!("timeoutd stopped");
     Ok(())
 }
@@ -141,7 +139,7 @@ pub async fn run_tasks(
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     let tasks = Supervisor::new(shutdown.clone(), health.clone());
-    run_tasks_under(config, store, publisher, health, shutdown, tasks, |t| t).await
+    run_tasks_under(config, store, publisher, health, shutdown, tasks, || {}).await
 }
 
 /// [`run_tasks`] under a supervisor that may already hold tasks (`timeoutd run`'s HTTP
@@ -154,7 +152,7 @@ async fn run_tasks_under(
     health: Arc<Health>,
     shutdown: CancellationToken,
     mut tasks: Supervisor,
-    before_finish: impl FnOnce(Supervisor) -> Supervisor,
+    before_finish: impl FnOnce(),
 ) -> Result<(), DaemonError> {
     // Kept to close the client at the end, within a deadline, before the runtime goes.
     let client = store.clone();
@@ -194,7 +192,7 @@ async fn run_tasks_under(
         tokio::time::sleep(Duration::from_millis(ms)).await;
         deadline += Duration::from_millis(ms);
     }
-    let tasks = before_finish(tasks);
+    before_finish();
     tasks.finish(deadline).await;
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
     if !client.close(left).await {
@@ -247,7 +245,13 @@ async fn start(
             store.clone(),
             shapes.clone(),
             health.clone(),
-            rate_limited(config),
+            // The destinations with a send-rate limit.
+            config
+                .dispatch
+                .destination
+                .iter()
+                .map(|l| l.name.clone())
+                .collect(),
             shutdown.clone(),
         )),
     );
@@ -259,24 +263,17 @@ async fn start(
             shutdown.clone(),
         )),
     );
-    let history = match config.history.is_on() {
-        true => {
-            let (sink, rows) = crate::store::history::channel();
-            let keep = config.history.keep;
-            tasks.spawn(
-                "history",
-                ok(crate::store::history::run(store.clone(), keep, rows)),
-            );
-            Some(sink)
-        }
-        false => None,
-    };
+    let history = config.history.is_on().then(|| {
+        let (sink, rows) = crate::store::history::channel();
+        let keep = config.history.keep;
+        let writer = crate::store::history::run(store.clone(), keep, rows);
+        tasks.spawn("history", ok(writer));
+        sink
+    });
     // Pauses in force before the first claim, so a starting instance claims none of them.
     let control = Arc::new(ControlState::default());
     match store.bounded("read pauses", store.read_control()).await {
-        Ok(snapshot) => {
-            control.set(snapshot);
-        }
+        Ok(snapshot) => _ = control.set(snapshot),
         Err(e) => {
             tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
         }
@@ -357,16 +354,6 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
             }
         }
     }
-}
-
-/// The destinations with a send-rate limit in the configuration.
-fn rate_limited(config: &Config) -> Vec<String> {
-    config
-        .dispatch
-        .destination
-        .iter()
-        .map(|l| l.name.clone())
-        .collect()
 }
 
 #[cfg(test)]
