@@ -41,13 +41,21 @@ impl fmt::Display for ConfigError {
     }
 }
 
-impl ConfigError {
-    pub(super) fn one(key: &str, message: impl Into<String>) -> Self {
+impl Problem {
+    pub(super) fn new(key: &str, message: impl Into<String>) -> Self {
         Self {
-            problems: vec![Problem {
-                key: key.into(),
-                message: message.into(),
-            }],
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl ConfigError {
+    /// `Ok` when `problems` is empty.
+    pub(super) fn check(problems: Vec<Problem>) -> Result<(), Self> {
+        match problems.is_empty() {
+            true => Ok(()),
+            false => Err(Self { problems }),
         }
     }
 }
@@ -56,12 +64,7 @@ impl Config {
     /// Checks every rule and returns all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
-        let mut bad = |key: &str, message: String| {
-            problems.push(Problem {
-                key: key.into(),
-                message,
-            })
-        };
+        let mut bad = |key: &str, message: String| problems.push(Problem::new(key, message));
         let d = &self.dispatch;
         for (key, value) in [
             ("dispatch.poll_interval", d.poll_interval),
@@ -71,6 +74,8 @@ impl Config {
             ("rabbitmq.publish_timeout", self.rabbitmq.publish_timeout),
             ("rabbitmq.connect_timeout", self.rabbitmq.connect_timeout),
             ("mongodb.operation_timeout", self.mongodb.operation_timeout),
+            ("retry.base", self.retry.base),
+            ("retry.cap", self.retry.cap),
         ] {
             if value.is_zero() {
                 bad(key, "must be greater than zero".into());
@@ -80,11 +85,6 @@ impl Config {
             bad("dispatch.batch_size", "must be greater than zero".into());
         }
         let r = &self.retry;
-        for (key, value) in [("retry.base", r.base), ("retry.cap", r.cap)] {
-            if value.is_zero() {
-                bad(key, "must be greater than zero".into());
-            }
-        }
         if r.cap < r.base {
             bad("retry.cap", "must not be less than retry.base".into());
         }
@@ -116,16 +116,11 @@ impl Config {
         }
         let mut names = std::collections::HashSet::new();
         for (i, limit) in d.destination.iter().enumerate() {
+            let name = format!("dispatch.destination[{i}].name");
             if limit.name.trim().is_empty() {
-                bad(
-                    &format!("dispatch.destination[{i}].name"),
-                    "must not be empty".into(),
-                );
+                bad(&name, "must not be empty".into());
             } else if !names.insert(limit.name.as_str()) {
-                bad(
-                    &format!("dispatch.destination[{i}].name"),
-                    format!("`{}` is listed twice", limit.name),
-                );
+                bad(&name, format!("`{}` is listed twice", limit.name));
             }
             if !positive(limit.max_rate) {
                 bad(
@@ -236,11 +231,7 @@ impl Config {
                 ),
             );
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems })
-        }
+        ConfigError::check(problems)
     }
 }
 
