@@ -98,11 +98,9 @@ pub async fn check_config(
     connect: bool,
     json: bool,
 ) -> anyhow::Result<()> {
-    let reached = if connect {
-        let (mongodb, rabbitmq) = tokio::join!(reach_mongodb(config), reach_rabbitmq(config));
-        Some((mongodb, rabbitmq))
-    } else {
-        None
+    let reached = match connect {
+        true => Some(tokio::join!(reach_mongodb(config), reach_rabbitmq(config))),
+        false => None,
     };
     if json {
         let shown: toml::Table = toml::from_str(&config.to_redacted_toml())?;
