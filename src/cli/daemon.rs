@@ -266,8 +266,10 @@ async fn start(
     let history = config.history.is_on().then(|| {
         let (sink, rows) = crate::store::history::channel();
         let keep = config.history.keep;
-        let writer = crate::store::history::run(store.clone(), keep, rows);
-        tasks.spawn("history", ok(writer));
+        tasks.spawn(
+            "history",
+            ok(crate::store::history::run(store.clone(), keep, rows)),
+        );
         sink
     });
     // Pauses in force before the first claim, so a starting instance claims none of them.
