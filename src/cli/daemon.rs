@@ -23,11 +23,6 @@ use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 use crate::{service::http, service::systemd};
 
-/// How long after `shutdown_timeout` the daemon may take, in all, for the dispatch loop's
-/// releases, the HTTP endpoints and closing the MongoDB client: the exit after a SIGTERM is
-/// bounded by `shutdown_timeout` + `SHUTDOWN_GRACE`.
-pub const SHUTDOWN_GRACE: Duration = crate::service::shutdown::GRACE;
-
 /// What stops the daemon, other than a signal.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -175,11 +170,11 @@ async fn run_tasks_under(
     }
     // One deadline for everything after shutdown began: the drain (the dispatch loop bounds
     // its own wait by shutdown_timeout; the margin covers the releases that follow), the
-    // lasting tasks and the MongoDB client's close share `shutdown_timeout` + SHUTDOWN_GRACE.
+    // lasting tasks and the MongoDB client's close share `shutdown_timeout` + `shutdown::GRACE`.
     let drain = config
         .dispatch
         .shutdown_timeout
-        .saturating_add(SHUTDOWN_GRACE);
+        .saturating_add(crate::service::shutdown::GRACE);
     #[allow(unused_mut)]
     let (supervised, mut deadline) = tasks.watch(drain).await;
     // Tests only: keep answering 503 a while after a failure, so that a probe sees it.

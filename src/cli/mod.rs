@@ -82,17 +82,9 @@ pub enum Command {
     },
     /// Counts of pending, due, leased, expired-lease, stuck, unschedulable and odd-`Locked`
     /// records, and the oldest due age.
-    Stats {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Stats(JsonOnly),
     /// Free expired leases once and print how many.
-    Reap {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Reap(JsonOnly),
     /// Records timeoutd gave up on (poison, or refused max_attempts times).
     Parked {
         #[command(subcommand)]
@@ -116,11 +108,7 @@ pub enum Command {
     /// End a destination's pause, optionally ramping its rate up.
     Resume(crate::cli::controlcli::ResumeArgs),
     /// The paused destinations.
-    Paused {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Paused(JsonOnly),
     /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
     /// The verdict goes to stderr.
     Health {
@@ -144,6 +132,14 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
+}
+
+/// The one option of a command that takes nothing else.
+#[derive(Debug, clap::Args)]
+pub struct JsonOnly {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 fn parse_header(s: &str) -> Result<(String, String), String> {
@@ -293,8 +289,8 @@ async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Stats { json } => crate::cli::statscli::stats(store, json).await,
-        Command::Reap { json } => {
+        Command::Stats(JsonOnly { json }) => crate::cli::statscli::stats(store, json).await,
+        Command::Reap(JsonOnly { json }) => {
             let freed = store.bounded("reap", store.reap()).await?;
             if json {
                 println!("{}", serde_json::json!({ "freed": freed }));
@@ -310,7 +306,7 @@ async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
         Command::History(a) => historycli::history(store, a).await,
         Command::Pause(a) => controlcli::pause(store, a).await,
         Command::Resume(a) => controlcli::resume(store, a).await,
-        Command::Paused { json } => controlcli::paused(store, json).await,
+        Command::Paused(JsonOnly { json }) => controlcli::paused(store, json).await,
         // Run by `execute` or `main`, without a store.
         Command::Run
         | Command::CheckConfig { .. }
