@@ -5,7 +5,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -184,8 +183,9 @@ async fn run_tasks_under(
             arg.and_then(|a| a.parse::<u64>().ok())
         })
     {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-        deadline += Duration::from_millis(ms);
+        let linger = std::time::Duration::from_millis(ms);
+        tokio::time::sleep(linger).await;
+        deadline += linger;
     }
     before_finish();
     tasks.finish(deadline).await;
@@ -213,7 +213,7 @@ async fn start(
         if let Some(Some(ms)) = fail::eval("start-up-call-delay", |arg| {
             arg.and_then(|a| a.parse::<u64>().ok())
         }) {
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
         store.durability_risks().await
     };
@@ -356,6 +356,7 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// Issue 25, 8.2: with MongoDB stalled from before start, `/healthz` answered 503 for most
     /// of each start-up attempt after the first (42 of 90 samples, every half second for
