@@ -166,12 +166,9 @@ impl Nodes {
         Self::new(uri, crate::host::random_range(0..n as u64) as usize)
     }
 
-    pub fn len(&self) -> usize {
-        self.uris.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.uris.is_empty()
+    /// Whether there is only one node (no failover, and its own errors are the link's).
+    pub fn single(&self) -> bool {
+        self.uris.len() == 1
     }
 
     /// Every node's label, in the configured order.
@@ -316,7 +313,7 @@ mod tests {
     #[test]
     fn one_node_never_fails_over() {
         let mut nodes = Nodes::new("amqp://a", 7);
-        assert_eq!(nodes.len(), 1);
+        assert!(nodes.single());
         nodes.connected(0);
         nodes.link_failed();
         assert_eq!(nodes.order().len(), 1);

@@ -331,7 +331,7 @@ impl Publisher {
                     return Ok(());
                 }
                 Err(e) => {
-                    if self.nodes.len() > 1 {
+                    if !self.nodes.single() {
                         tracing::warn!(node = %crate::config::nodes::label(&uri), error = %e, "RabbitMQ node did not answer; trying the next");
                     }
                     last = Some(e);
@@ -339,7 +339,7 @@ impl Publisher {
             }
         }
         match last {
-            Some(e) if self.nodes.len() == 1 => Err(e),
+            Some(e) if self.nodes.single() => Err(e),
             last => Err(PublishError::NoNode {
                 nodes: self.nodes.redacted(),
                 last: last.map_or_else(|| "no node is configured".into(), |e| e.to_string()),
