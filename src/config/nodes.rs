@@ -11,8 +11,7 @@
 
 use std::str::FromStr;
 
-use serde::de::{self, SeqAccess, Visitor};
-use serde::{Deserializer, Serializer};
+use serde::{Deserialize, Deserializer, Serializer};
 
 use crate::redact::{redact_text, redact_uri};
 
@@ -90,27 +89,16 @@ pub fn problems(uri: &str) -> Vec<String> {
 
 /// Reads `[rabbitmq] uri` as one string or a list of strings; a list is kept comma-separated.
 pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    struct OneOrMany;
-    impl<'de> Visitor<'de> for OneOrMany {
-        type Value = String;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("an AMQP URI or a list of them")
-        }
-
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<String, A::Error> {
-            let mut all = Vec::new();
-            while let Some(uri) = seq.next_element::<String>()? {
-                all.push(uri.trim().to_string());
-            }
-            Ok(all.join(","))
-        }
+    #[derive(Deserialize)]
+    #[serde(untagged, expecting = "an AMQP URI or a list of them")]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
     }
-    d.deserialize_any(OneOrMany)
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(uri) => uri,
+        OneOrMany::Many(all) => all.iter().map(|u| u.trim()).collect::<Vec<_>>().join(","),
+    })
 }
 
 /// Writes one node as a string and several as a TOML array.
