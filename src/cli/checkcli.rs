@@ -159,13 +159,7 @@ async fn reach_mongodb(config: &Config) -> Reached {
         tracing::debug!("the MongoDB client did not close in time");
     }
     match offset {
-        Ok(offset) => Reached {
-            ok: true,
-            version,
-            clock_offset_ms: Some(offset),
-            elapsed_ms,
-            error: None,
-        },
+        Ok(offset) => answered(elapsed_ms, version, Some(offset)),
         Err(e) => failed(started, &e),
     }
 }
@@ -186,25 +180,28 @@ async fn reach_rabbitmq(config: &Config) -> Reached {
     if let Err(e) = connected {
         return failed(started, &e);
     }
-    Reached {
-        ok: true,
-        version: Some(version.unwrap_or_else(|| "unknown (not read over amqps://)".into())),
-        clock_offset_ms: None,
-        elapsed_ms,
-        error: None,
-    }
+    let version = version.unwrap_or_else(|| "unknown (not read over amqps://)".into());
+    answered(elapsed_ms, Some(version), None)
 }
 
 fn elapsed_ms(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
+fn answered(elapsed_ms: u64, version: Option<String>, clock_offset_ms: Option<i64>) -> Reached {
+    Reached {
+        ok: true,
+        version,
+        clock_offset_ms,
+        elapsed_ms,
+        error: None,
+    }
+}
+
 fn failed(started: Instant, e: &dyn std::fmt::Display) -> Reached {
     Reached {
         ok: false,
-        version: None,
-        clock_offset_ms: None,
-        elapsed_ms: elapsed_ms(started),
         error: Some(redact_text(&e.to_string())),
+        ..answered(elapsed_ms(started), None, None)
     }
 }
