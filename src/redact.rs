@@ -44,13 +44,8 @@ fn secret_option(key: &str) -> bool {
 /// `uri` with every credential it carries replaced by `***`. Hosts, user name, database and
 /// the other options are kept, so the output still says where timeoutd connects.
 pub fn redact_uri(uri: &str) -> String {
-    let Some(scheme_end) = uri.find("://") else {
+    let Some((head, before_query, query)) = parts(uri) else {
         return uri.to_string();
-    };
-    let (head, rest) = uri.split_at(scheme_end + 3);
-    let (before_query, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
     };
     // The user part ends at the last `@` before the query, so an unencoded `/` in a
     // password is hidden too.
@@ -67,6 +62,15 @@ pub fn redact_uri(uri: &str) -> String {
         out.push_str(&redact_query(query));
     }
     out
+}
+
+/// `uri` as its scheme with `://`, what follows up to the query, and the query.
+fn parts(uri: &str) -> Option<(&str, &str, Option<&str>)> {
+    let (head, rest) = uri.split_at(uri.find("://")? + 3);
+    let (before_query, query) = rest
+        .split_once('?')
+        .map_or((rest, None), |(b, q)| (b, Some(q)));
+    Some((head, before_query, query))
 }
 
 fn redact_query(query: &str) -> String {
@@ -97,14 +101,10 @@ fn redact_properties(v: &str) -> String {
 }
 
 /// The secret values `uri` carries, as written and percent-decoded.
-pub fn secrets_of(uri: &str) -> Vec<String> {
+fn secrets_of(uri: &str) -> Vec<String> {
     let mut found = Vec::new();
-    let Some((_, rest)) = uri.split_once("://") else {
+    let Some((_, before_query, query)) = parts(uri) else {
         return found;
-    };
-    let (before_query, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
     };
     if let Some((userinfo, _)) = before_query.rsplit_once('@')
         && let Some((_, password)) = userinfo.split_once(':')

@@ -98,11 +98,9 @@ pub async fn check_config(
     connect: bool,
     json: bool,
 ) -> anyhow::Result<()> {
-    let reached = if connect {
-        let (mongodb, rabbitmq) = tokio::join!(reach_mongodb(config), reach_rabbitmq(config));
-        Some((mongodb, rabbitmq))
-    } else {
-        None
+    let reached = match connect {
+        true => Some(tokio::join!(reach_mongodb(config), reach_rabbitmq(config))),
+        false => None,
     };
     if json {
         let shown: toml::Table = toml::from_str(&config.to_redacted_toml())?;
@@ -161,13 +159,7 @@ async fn reach_mongodb(config: &Config) -> Reached {
         tracing::debug!("the MongoDB client did not close in time");
     }
     match offset {
-        Ok(offset) => Reached {
-            ok: true,
-            version,
-            clock_offset_ms: Some(offset),
-            elapsed_ms,
-            error: None,
-        },
+        Ok(offset) => answered(elapsed_ms, version, Some(offset)),
         Err(e) => failed(started, &e),
     }
 }
@@ -188,25 +180,28 @@ async fn reach_rabbitmq(config: &Config) -> Reached {
     if let Err(e) = connected {
         return failed(started, &e);
     }
-    Reached {
-        ok: true,
-        version: Some(version.unwrap_or_else(|| "unknown (not read over amqps://)".into())),
-        clock_offset_ms: None,
-        elapsed_ms,
-        error: None,
-    }
+    let version = version.unwrap_or_else(|| "unknown (not read over amqps://)".into());
+    answered(elapsed_ms, Some(version), None)
 }
 
 fn elapsed_ms(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
+fn answered(elapsed_ms: u64, version: Option<String>, clock_offset_ms: Option<i64>) -> Reached {
+    Reached {
+        ok: true,
+        version,
+        clock_offset_ms,
+        elapsed_ms,
+        error: None,
+    }
+}
+
 fn failed(started: Instant, e: &dyn std::fmt::Display) -> Reached {
     Reached {
         ok: false,
-        version: None,
-        clock_offset_ms: None,
-        elapsed_ms: elapsed_ms(started),
         error: Some(redact_text(&e.to_string())),
+        ..answered(elapsed_ms(started), None, None)
     }
 }

@@ -5,7 +5,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -22,11 +21,6 @@ use crate::store::clock::ServerClock;
 use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 use crate::{service::http, service::systemd};
-
-/// How long after `shutdown_timeout` the daemon may take, in all, for the dispatch loop's
-/// releases, the HTTP endpoints and closing the MongoDB client: the exit after a SIGTERM is
-/// bounded by `shutdown_timeout` + `SHUTDOWN_GRACE`.
-pub const SHUTDOWN_GRACE: Duration = crate::service::shutdown::GRACE;
 
 /// What stops the daemon, other than a signal.
 #[derive(Debug, thiserror::Error)]
@@ -117,12 +111,10 @@ pub async fn run_with(
         "timeoutd starting"
     );
 
-    let result = run_tasks_under(config, store, publisher, health, shutdown, tasks, |tasks| {
-        http_stop.cancel();
-        tasks
+    run_tasks_under(config, store, publisher, health, shutdown, tasks, || {
+        http_stop.cancel()
     })
-    .await;
-    result?;
+    .await?;
     tracing::info!("timeoutd stopped");
     Ok(())
 }
@@ -141,7 +133,7 @@ pub async fn run_tasks(
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     let tasks = Supervisor::new(shutdown.clone(), health.clone());
-    run_tasks_under(config, store, publisher, health, shutdown, tasks, |t| t).await
+    run_tasks_under(config, store, publisher, health, shutdown, tasks, || {}).await
 }
 
 /// [`run_tasks`] under a supervisor that may already hold tasks (`timeoutd run`'s HTTP
@@ -154,7 +146,7 @@ async fn run_tasks_under(
     health: Arc<Health>,
     shutdown: CancellationToken,
     mut tasks: Supervisor,
-    before_finish: impl FnOnce(Supervisor) -> Supervisor,
+    before_finish: impl FnOnce(),
 ) -> Result<(), DaemonError> {
     // Kept to close the client at the end, within a deadline, before the runtime goes.
     let client = store.clone();
@@ -177,11 +169,11 @@ async fn run_tasks_under(
     }
     // One deadline for everything after shutdown began: the drain (the dispatch loop bounds
     // its own wait by shutdown_timeout; the margin covers the releases that follow), the
-    // lasting tasks and the MongoDB client's close share `shutdown_timeout` + SHUTDOWN_GRACE.
+    // lasting tasks and the MongoDB client's close share `shutdown_timeout` + `shutdown::GRACE`.
     let drain = config
         .dispatch
         .shutdown_timeout
-        .saturating_add(SHUTDOWN_GRACE);
+        .saturating_add(crate::service::shutdown::GRACE);
     #[allow(unused_mut)]
     let (supervised, mut deadline) = tasks.watch(drain).await;
     // Tests only: keep answering 503 a while after a failure, so that a probe sees it.
@@ -191,10 +183,11 @@ async fn run_tasks_under(
             arg.and_then(|a| a.parse::<u64>().ok())
         })
     {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-        deadline += Duration::from_millis(ms);
+        let linger = std::time::Duration::from_millis(ms);
+        tokio::time::sleep(linger).await;
+        deadline += linger;
     }
-    let tasks = before_finish(tasks);
+    before_finish();
     tasks.finish(deadline).await;
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
     if !client.close(left).await {
@@ -220,7 +213,7 @@ async fn start(
         if let Some(Some(ms)) = fail::eval("start-up-call-delay", |arg| {
             arg.and_then(|a| a.parse::<u64>().ok())
         }) {
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
         store.durability_risks().await
     };
@@ -247,7 +240,13 @@ async fn start(
             store.clone(),
             shapes.clone(),
             health.clone(),
-            rate_limited(config),
+            // The destinations with a send-rate limit.
+            config
+                .dispatch
+                .destination
+                .iter()
+                .map(|l| l.name.clone())
+                .collect(),
             shutdown.clone(),
         )),
     );
@@ -259,24 +258,19 @@ async fn start(
             shutdown.clone(),
         )),
     );
-    let history = match config.history.is_on() {
-        true => {
-            let (sink, rows) = crate::store::history::channel();
-            let keep = config.history.keep;
-            tasks.spawn(
-                "history",
-                ok(crate::store::history::run(store.clone(), keep, rows)),
-            );
-            Some(sink)
-        }
-        false => None,
-    };
+    let history = config.history.is_on().then(|| {
+        let (sink, rows) = crate::store::history::channel();
+        let keep = config.history.keep;
+        tasks.spawn(
+            "history",
+            ok(crate::store::history::run(store.clone(), keep, rows)),
+        );
+        sink
+    });
     // Pauses in force before the first claim, so a starting instance claims none of them.
     let control = Arc::new(ControlState::default());
     match store.bounded("read pauses", store.read_control()).await {
-        Ok(snapshot) => {
-            control.set(snapshot);
-        }
+        Ok(snapshot) => _ = control.set(snapshot),
         Err(e) => {
             tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
         }
@@ -360,19 +354,10 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
     }
 }
 
-/// The destinations with a send-rate limit in the configuration.
-fn rate_limited(config: &Config) -> Vec<String> {
-    config
-        .dispatch
-        .destination
-        .iter()
-        .map(|l| l.name.clone())
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// Issue 25, 8.2: with MongoDB stalled from before start, `/healthz` answered 503 for most
     /// of each start-up attempt after the first (42 of 90 samples, every half second for

@@ -24,7 +24,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use bson::Document;
 use clap::{CommandFactory, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -83,17 +82,9 @@ pub enum Command {
     },
     /// Counts of pending, due, leased, expired-lease, stuck, unschedulable and odd-`Locked`
     /// records, and the oldest due age.
-    Stats {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Stats(JsonOnly),
     /// Free expired leases once and print how many.
-    Reap {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Reap(JsonOnly),
     /// Records timeoutd gave up on (poison, or refused max_attempts times).
     Parked {
         #[command(subcommand)]
@@ -117,11 +108,7 @@ pub enum Command {
     /// End a destination's pause, optionally ramping its rate up.
     Resume(crate::cli::controlcli::ResumeArgs),
     /// The paused destinations.
-    Paused {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Paused(JsonOnly),
     /// Probe a running daemon's /healthz; exit 0 when healthy, 1 when not (for HEALTHCHECK).
     /// The verdict goes to stderr.
     Health {
@@ -145,6 +132,14 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
+}
+
+/// The one option of a command that takes nothing else.
+#[derive(Debug, clap::Args)]
+pub struct JsonOnly {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 fn parse_header(s: &str) -> Result<(String, String), String> {
@@ -261,6 +256,14 @@ async fn execute(
             let _ = signals.await;
             Ok(result?)
         }
+        command => with_store(&config, async |s| on_store(s, command).await).await,
+    }
+}
+
+/// The commands that work on the collections.
+async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
+    use crate::cli::{controlcli, historycli, opscli};
+    match command {
         Command::Schedule {
             destination,
             correlation_id,
@@ -268,42 +271,27 @@ async fn execute(
             headers,
             json,
         } => {
-            with_store(&config, async |store| {
-                let mut header_doc = Document::new();
-                for (k, v) in headers {
-                    header_doc.insert(k, v);
-                }
-                let record = TimeoutRecord {
-                    id: crate::host::uuid(),
-                    destination,
-                    process_manager_id: correlation_id,
-                    due: server_time_in(store.clock(), delay),
-                    headers: header_doc,
-                };
-                store
-                    .bounded("insert", store.insert(&record))
-                    .await
-                    .context("insert failed")?;
-                if json {
-                    println!("{}", serde_json::json!({ "id": record.id.to_string() }));
-                } else {
-                    println!("{}", record.id);
-                }
-                Ok(())
-            })
-            .await
+            let record = TimeoutRecord {
+                id: crate::host::uuid(),
+                destination,
+                process_manager_id: correlation_id,
+                due: server_time_in(store.clock(), delay),
+                headers: headers.into_iter().map(|(k, v)| (k, v.into())).collect(),
+            };
+            store
+                .bounded("insert", store.insert(&record))
+                .await
+                .context("insert failed")?;
+            if json {
+                println!("{}", serde_json::json!({ "id": record.id.to_string() }));
+            } else {
+                println!("{}", record.id);
+            }
+            Ok(())
         }
-        Command::Stats { json } => {
-            with_store(&config, async |s| {
-                crate::cli::statscli::stats(s, json).await
-            })
-            .await
-        }
-        Command::Reap { json } => {
-            let freed = with_store(&config, async |store| {
-                Ok(store.bounded("reap", store.reap()).await?)
-            })
-            .await?;
+        Command::Stats(JsonOnly { json }) => crate::cli::statscli::stats(store, json).await,
+        Command::Reap(JsonOnly { json }) => {
+            let freed = store.bounded("reap", store.reap()).await?;
             if json {
                 println!("{}", serde_json::json!({ "freed": freed }));
             } else {
@@ -311,45 +299,20 @@ async fn execute(
             }
             Ok(())
         }
-        Command::Parked { action } => {
-            with_store(&config, async |store| {
-                crate::cli::parkedcli::parked(action, store).await
-            })
-            .await
-        }
-        Command::List(a) => {
-            with_store(&config, async |s| crate::cli::opscli::list(s, a).await).await
-        }
-        Command::Cancel(w) => {
-            with_store(&config, async |s| crate::cli::opscli::cancel(s, w).await).await
-        }
-        Command::Reschedule(a) => {
-            with_store(&config, async |s| {
-                crate::cli::opscli::reschedule(s, a).await
-            })
-            .await
-        }
-        Command::History(a) => {
-            with_store(&config, async |s| {
-                crate::cli::historycli::history(s, a).await
-            })
-            .await
-        }
-        Command::Pause(a) => {
-            with_store(&config, async |s| crate::cli::controlcli::pause(s, a).await).await
-        }
-        Command::Resume(a) => {
-            with_store(&config, async |s| {
-                crate::cli::controlcli::resume(s, a).await
-            })
-            .await
-        }
-        Command::Paused { json } => {
-            with_store(&config, async |s| {
-                crate::cli::controlcli::paused(s, json).await
-            })
-            .await
-        }
+        Command::Parked { action } => crate::cli::parkedcli::parked(action, store).await,
+        Command::List(a) => opscli::list(store, a).await,
+        Command::Cancel(w) => opscli::cancel(store, w).await,
+        Command::Reschedule(a) => opscli::reschedule(store, a).await,
+        Command::History(a) => historycli::history(store, a).await,
+        Command::Pause(a) => controlcli::pause(store, a).await,
+        Command::Resume(a) => controlcli::resume(store, a).await,
+        Command::Paused(JsonOnly { json }) => controlcli::paused(store, json).await,
+        // Run by `execute` or `main`, without a store.
+        Command::Run
+        | Command::CheckConfig { .. }
+        | Command::Health { .. }
+        | Command::Completions { .. }
+        | Command::Man { .. } => Ok(()),
     }
 }
 

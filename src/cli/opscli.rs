@@ -212,11 +212,9 @@ async fn report(
             print_row(&o.record, &new);
         }
     }
-    let count = |what: &str| outcomes.iter().filter(|o| o.outcome == what).count();
-    let left = count("left_leased");
-    let done: usize = outcomes
+    let left = outcomes
         .iter()
-        .filter(|o| matches!(o.outcome, "cancelled" | "rescheduled"))
+        .filter(|o| o.outcome == "left_leased")
         .count();
     if !which.dry_run {
         let actor = Actor::current();
@@ -225,6 +223,7 @@ async fn report(
             .filter(|o| matches!(o.outcome, "cancelled" | "rescheduled"))
             .map(|o| o.record.id.clone())
             .collect();
+        let done = ids.len();
         let mut details = details;
         details.insert("done", ids);
         details.insert("left_leased", left as i64);

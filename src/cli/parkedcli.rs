@@ -16,11 +16,7 @@ use crate::store::parking::Requeued;
 #[derive(Debug, Subcommand)]
 pub enum ParkedCommand {
     /// List parked records, oldest first.
-    List {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    List(crate::cli::JsonOnly),
     /// Put parked records back into the timeouts collection, free, with their original Time
     /// (a past Time fires at the next poll), and reset their attempt counts.
     Requeue {
@@ -93,7 +89,7 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
             .ok_or_else(|| OpsError::BadInput(format!("no parked record has id {shown}")))
     };
     match action {
-        ParkedCommand::List { json } => {
+        ParkedCommand::List(crate::cli::JsonOnly { json }) => {
             let records = store.bounded("list", parking.list()).await?;
             if json {
                 println!("{}", serde_json::to_string(&records)?);

@@ -62,10 +62,10 @@ impl Config {
     pub fn load(given: Option<&Path>) -> Result<Self, ConfigError> {
         let (path, required) = resolve_path(given);
         if required && !path.exists() {
-            return Err(ConfigError::one(
-                "",
-                format!("config file {} does not exist", path.display()),
-            ));
+            let missing = format!("config file {} does not exist", path.display());
+            return Err(ConfigError {
+                problems: vec![Problem::new("", missing)],
+            });
         }
         let env = Env::prefixed(ENV_PREFIX)
             // Only `SECTION__KEY` names are configuration; `TIMEOUTD_TEST_MONGODB_URI` and the
@@ -117,17 +117,13 @@ impl Config {
             let Some(path) = file else { continue };
             match std::fs::read_to_string(path) {
                 Ok(text) => *uri = text.trim().to_string(),
-                Err(e) => problems.push(Problem {
-                    key: key.into(),
-                    message: format!("cannot read {}: {e}", path.display()),
-                }),
+                Err(e) => problems.push(Problem::new(
+                    key,
+                    format!("cannot read {}: {e}", path.display()),
+                )),
             }
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems })
-        }
+        ConfigError::check(problems)
     }
 
     /// The reaper's period: `[reaper] interval`, or a quarter of the lease.
@@ -166,8 +162,5 @@ fn figment_problem(e: figment::Error) -> Problem {
         figment::error::Kind::UnknownField(_, _) => "unknown key".to_string(),
         kind => kind.to_string(),
     };
-    Problem {
-        key,
-        message: format!("{message}{source}"),
-    }
+    Problem::new(&key, format!("{message}{source}"))
 }

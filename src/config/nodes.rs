@@ -11,8 +11,7 @@
 
 use std::str::FromStr;
 
-use serde::de::{self, SeqAccess, Visitor};
-use serde::{Deserializer, Serializer};
+use serde::{Deserialize, Deserializer, Serializer};
 
 use crate::redact::{redact_text, redact_uri};
 
@@ -90,27 +89,16 @@ pub fn problems(uri: &str) -> Vec<String> {
 
 /// Reads `[rabbitmq] uri` as one string or a list of strings; a list is kept comma-separated.
 pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    struct OneOrMany;
-    impl<'de> Visitor<'de> for OneOrMany {
-        type Value = String;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("an AMQP URI or a list of them")
-        }
-
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<String, A::Error> {
-            let mut all = Vec::new();
-            while let Some(uri) = seq.next_element::<String>()? {
-                all.push(uri.trim().to_string());
-            }
-            Ok(all.join(","))
-        }
+    #[derive(Deserialize)]
+    #[serde(untagged, expecting = "an AMQP URI or a list of them")]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
     }
-    d.deserialize_any(OneOrMany)
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(uri) => uri,
+        OneOrMany::Many(all) => all.iter().map(|u| u.trim()).collect::<Vec<_>>().join(","),
+    })
 }
 
 /// Writes one node as a string and several as a TOML array.
@@ -166,38 +154,39 @@ impl Nodes {
         Self::new(uri, crate::host::random_range(0..n as u64) as usize)
     }
 
-    pub fn len(&self) -> usize {
-        self.uris.len()
+    /// Whether there is only one node (no failover, and its own errors are the link's).
+    pub fn single(&self) -> bool {
+        self.uris.len() == 1
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.uris.is_empty()
+    /// Every node's label, in the configured order.
+    pub fn labels(&self) -> Vec<String> {
+        self.uris.iter().map(|u| label(u)).collect()
     }
 
-    /// Every node's URI, in the configured order.
-    pub fn uris(&self) -> &[String] {
-        &self.uris
+    /// Every node, credentials hidden ([`redact_list`]).
+    pub fn redacted(&self) -> String {
+        redact_list(&self.uris.join(","))
+    }
+
+    /// The label of node `i`.
+    fn label_of(&self, i: usize) -> String {
+        self.uris.get(i).map_or_else(String::new, |u| label(u))
     }
 
     /// The label of the node in use (or to be tried first).
     pub fn current_label(&self) -> String {
-        self.uris
-            .get(self.current)
-            .map_or_else(String::new, |u| label(u))
+        self.label_of(self.current)
     }
 
     /// The indices to try, in order, with their URIs: from the node in use, or from the one
     /// after it when its link failed (the failed one then comes last).
-    pub fn order(&self) -> Vec<(usize, &str)> {
+    pub fn order(&self) -> Vec<(usize, String)> {
         let n = self.uris.len();
-        let first = if self.failed {
-            self.current + 1
-        } else {
-            self.current
-        };
+        let first = self.current + usize::from(self.failed);
         (0..n)
             .map(|k| (first + k) % n)
-            .filter_map(|i| self.uris.get(i).map(|u| (i, u.as_str())))
+            .filter_map(|i| self.uris.get(i).map(|u| (i, u.clone())))
             .collect()
     }
 
@@ -214,7 +203,7 @@ impl Nodes {
         self.failed = false;
         match before {
             Some(from) if from != self.current => Some(Failover {
-                from: self.uris.get(from).map_or_else(String::new, |u| label(u)),
+                from: self.label_of(from),
                 to: self.current_label(),
             }),
             _ => None,
@@ -312,7 +301,7 @@ mod tests {
     #[test]
     fn one_node_never_fails_over() {
         let mut nodes = Nodes::new("amqp://a", 7);
-        assert_eq!(nodes.len(), 1);
+        assert!(nodes.single());
         nodes.connected(0);
         nodes.link_failed();
         assert_eq!(nodes.order().len(), 1);

@@ -44,25 +44,25 @@ pub struct MongoConfig {
 }
 
 impl MongoConfig {
+    /// `name`, or `<collection>_<suffix>` when absent.
+    fn beside(&self, name: &Option<String>, suffix: &str) -> String {
+        name.clone()
+            .unwrap_or_else(|| format!("{}_{suffix}", self.collection))
+    }
+
     /// The collection parked records are moved to.
     pub fn parked_collection(&self) -> String {
-        self.parked_collection
-            .clone()
-            .unwrap_or_else(|| format!("{}_parked", self.collection))
+        self.beside(&self.parked_collection, "parked")
     }
 
     /// The control collection: pauses, ramps and the audit of operator actions.
     pub fn control_collection(&self) -> String {
-        self.control_collection
-            .clone()
-            .unwrap_or_else(|| format!("{}_control", self.collection))
+        self.beside(&self.control_collection, "control")
     }
 
     /// The collection that counts failed sends per record.
     pub fn attempts_collection(&self) -> String {
-        self.attempts_collection
-            .clone()
-            .unwrap_or_else(|| format!("{}_attempts", self.collection))
+        self.beside(&self.attempts_collection, "attempts")
     }
 }
 

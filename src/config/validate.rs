@@ -41,13 +41,21 @@ impl fmt::Display for ConfigError {
     }
 }
 
-impl ConfigError {
-    pub(super) fn one(key: &str, message: impl Into<String>) -> Self {
+impl Problem {
+    pub(super) fn new(key: &str, message: impl Into<String>) -> Self {
         Self {
-            problems: vec![Problem {
-                key: key.into(),
-                message: message.into(),
-            }],
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl ConfigError {
+    /// `Ok` when `problems` is empty.
+    pub(super) fn check(problems: Vec<Problem>) -> Result<(), Self> {
+        match problems.is_empty() {
+            true => Ok(()),
+            false => Err(Self { problems }),
         }
     }
 }
@@ -56,12 +64,7 @@ impl Config {
     /// Checks every rule and returns all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
-        let mut bad = |key: &str, message: String| {
-            problems.push(Problem {
-                key: key.into(),
-                message,
-            })
-        };
+        let mut bad = |key: &str, message: &str| problems.push(Problem::new(key, message));
         let d = &self.dispatch;
         for (key, value) in [
             ("dispatch.poll_interval", d.poll_interval),
@@ -71,25 +74,22 @@ impl Config {
             ("rabbitmq.publish_timeout", self.rabbitmq.publish_timeout),
             ("rabbitmq.connect_timeout", self.rabbitmq.connect_timeout),
             ("mongodb.operation_timeout", self.mongodb.operation_timeout),
+            ("retry.base", self.retry.base),
+            ("retry.cap", self.retry.cap),
         ] {
             if value.is_zero() {
-                bad(key, "must be greater than zero".into());
+                bad(key, "must be greater than zero");
             }
         }
         if d.batch_size == 0 {
-            bad("dispatch.batch_size", "must be greater than zero".into());
+            bad("dispatch.batch_size", "must be greater than zero");
         }
         let r = &self.retry;
-        for (key, value) in [("retry.base", r.base), ("retry.cap", r.cap)] {
-            if value.is_zero() {
-                bad(key, "must be greater than zero".into());
-            }
-        }
         if r.cap < r.base {
-            bad("retry.cap", "must not be less than retry.base".into());
+            bad("retry.cap", "must not be less than retry.base");
         }
         if r.max_attempts == 0 {
-            bad("retry.max_attempts", "must be at least 1".into());
+            bad("retry.max_attempts", "must be at least 1");
         }
         // Checked: durations from the file can be absurd (`100000000years`); a sum past the
         // largest Duration is simply more than any lease.
@@ -101,7 +101,7 @@ impl Config {
         if d.lock_lease <= needed {
             bad(
                 "dispatch.lock_lease",
-                format!(
+                &format!(
                     "must be larger than dispatch.lease_safety_margin + dispatch.poll_interval + dispatch.look_ahead ({})",
                     humantime::format_duration(needed)
                 ),
@@ -111,36 +111,31 @@ impl Config {
         if d.max_rate.is_some_and(|r| !positive(r)) {
             bad(
                 "dispatch.max_rate",
-                "must be a number of records a second above zero".into(),
+                "must be a number of records a second above zero",
             );
         }
         let mut names = std::collections::HashSet::new();
         for (i, limit) in d.destination.iter().enumerate() {
+            let name = format!("dispatch.destination[{i}].name");
             if limit.name.trim().is_empty() {
-                bad(
-                    &format!("dispatch.destination[{i}].name"),
-                    "must not be empty".into(),
-                );
+                bad(&name, "must not be empty");
             } else if !names.insert(limit.name.as_str()) {
-                bad(
-                    &format!("dispatch.destination[{i}].name"),
-                    format!("`{}` is listed twice", limit.name),
-                );
+                bad(&name, &format!("`{}` is listed twice", limit.name));
             }
             if !positive(limit.max_rate) {
                 bad(
                     &format!("dispatch.destination[{i}].max_rate"),
-                    "must be a number of records a second above zero".into(),
+                    "must be a number of records a second above zero",
                 );
             }
         }
         if let Some(problem) = self.history.problem() {
-            bad("history.keep", problem);
+            bad("history.keep", &problem);
         }
         if let Some(i) = self.reaper.interval
             && i.is_zero()
         {
-            bad("reaper.interval", "must be greater than zero".into());
+            bad("reaper.interval", "must be greater than zero");
         }
         for (key, value) in [
             ("mongodb.uri", &self.mongodb.uri),
@@ -163,7 +158,7 @@ impl Config {
             ("rabbitmq.full_type_name", &self.rabbitmq.full_type_name),
         ] {
             if value.trim().is_empty() {
-                bad(key, "must not be empty".into());
+                bad(key, "must not be empty");
             }
         }
         let m = &self.mongodb;
@@ -173,7 +168,7 @@ impl Config {
         {
             bad(
                 "mongodb.parked_collection",
-                "mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection must all differ".into(),
+                "mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection must all differ",
             );
         }
         let control = m.control_collection();
@@ -186,19 +181,19 @@ impl Config {
         {
             bad(
                 "mongodb.control_collection",
-                "must differ from mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection".into(),
+                "must differ from mongodb.collection, mongodb.parked_collection and mongodb.attempts_collection",
             );
         }
         if !has_scheme(&self.mongodb.uri, &["mongodb://", "mongodb+srv://"]) {
             bad(
                 "mongodb.uri",
-                "must start with mongodb:// or mongodb+srv://".into(),
+                "must start with mongodb:// or mongodb+srv://",
             );
         }
         if uri_has_unacknowledged_write_concern(&self.mongodb.uri) {
             bad(
                 "mongodb.uri",
-                "w=0 (unacknowledged writes) is refused: guarded deletes and releases would all look successful and lost leases would go unnoticed".into(),
+                "w=0 (unacknowledged writes) is refused: guarded deletes and releases would all look successful and lost leases would go unnoticed",
             );
         }
         let rq = &self.rabbitmq;
@@ -215,32 +210,28 @@ impl Config {
             if let Some(path) = file
                 && let Err(e) = std::fs::metadata(path)
             {
-                bad(key, format!("cannot read {}: {e}", path.display()));
+                bad(key, &format!("cannot read {}: {e}", path.display()));
             }
         }
         if rq.tls_cert_file.is_some() != rq.tls_key_file.is_some() {
             bad(
                 "rabbitmq.tls_key_file",
-                "rabbitmq.tls_cert_file and rabbitmq.tls_key_file go together".into(),
+                "rabbitmq.tls_cert_file and rabbitmq.tls_key_file go together",
             );
         }
         for problem in crate::config::nodes::problems(&self.rabbitmq.uri) {
-            bad("rabbitmq.uri", problem);
+            bad("rabbitmq.uri", &problem);
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(
                 "log.level",
-                format!(
+                &format!(
                     "`{}` is not a level or filter (trace, debug, info, warn, error)",
                     self.log.level
                 ),
             );
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems })
-        }
+        ConfigError::check(problems)
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Monotonic time is `tokio::time::Instant` everywhere (virtual under a paused runtime).
 //! The wall clock ([`wall_ms`], [`wall_now`]) and every random draw ([`uuid`],
-//! [`random_range`], [`random_unit`]) go through this module, so that a simulation can run
+//! [`random_range`]) go through this module, so that a simulation can run
 //! several instances in one process, each with a host of its own: a seeded source of
 //! randomness and a wall clock that runs on the runtime's clock, with a skew and steps.
 //! Outside a simulation no [`Host`] is in scope and the real clock and a thread-local
@@ -155,15 +155,6 @@ pub fn random_range(range: Range<u64>) -> u64 {
     match current() {
         Some(host) => host.with_rng(|r| r.random_range(range)),
         None => rand::random_range(range),
-    }
-}
-
-/// A random number in `[0, 1)`.
-#[allow(clippy::disallowed_methods)]
-pub fn random_unit() -> f64 {
-    match current() {
-        Some(host) => host.with_rng(|r| r.random::<f64>()),
-        None => rand::random::<f64>(),
     }
 }
 

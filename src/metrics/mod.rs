@@ -109,378 +109,234 @@ pub enum Start {
     FirstReading,
 }
 
-/// One series: name, type, unit, HELP text, and its label with the known values.
+/// One series: name, type, HELP text, and its label with the known values. Its unit is
+/// seconds when its name ends with `_seconds`, else a count.
 #[derive(Debug, Clone, Copy)]
 pub struct Series {
     pub name: &'static str,
     pub kind: Kind,
-    pub unit: Option<Unit>,
     pub help: &'static str,
     pub label: Option<(&'static str, &'static [&'static str])>,
     pub start: Start,
 }
 
-const fn series(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static str) -> Series {
-    let start = match kind {
-        Kind::Gauge => Start::FirstReading,
-        _ => Start::Zero,
-    };
-    Series {
-        name,
-        kind,
-        unit,
-        help,
-        label: None,
-        start,
+impl Series {
+    /// Counters and histograms start at zero, gauges with their first reading.
+    const fn new(kind: Kind, name: &'static str, help: &'static str) -> Self {
+        let start = match kind {
+            Kind::Gauge => Start::FirstReading,
+            _ => Start::Zero,
+        };
+        Self {
+            name,
+            kind,
+            help,
+            label: None,
+            start,
+        }
+    }
+
+    const fn by(self, label: &'static str, values: &'static [&'static str]) -> Self {
+        Self {
+            label: Some((label, values)),
+            ..self
+        }
+    }
+
+    const fn at_zero(self) -> Self {
+        Self {
+            start: Start::Zero,
+            ..self
+        }
     }
 }
 
-const fn labelled(
-    s: Series,
-    label: &'static str,
-    values: &'static [&'static str],
-    start: Start,
-) -> Series {
-    Series {
-        label: Some((label, values)),
-        start,
-        ..s
-    }
+const fn counter(name: &'static str, help: &'static str) -> Series {
+    Series::new(Kind::Counter, name, help)
 }
 
-use Kind::{Counter, Gauge, Histogram};
+const fn gauge(name: &'static str, help: &'static str) -> Series {
+    Series::new(Kind::Gauge, name, help)
+}
+
+const fn histogram(name: &'static str, help: &'static str) -> Series {
+    Series::new(Kind::Histogram, name, help)
+}
 
 /// Every series timeoutd exports, in the order of the metrics table in docs/operations.md.
 pub const SERIES: &[Series] = &[
-    series(
-        "timeoutd_claimed_total",
-        Counter,
-        Some(Unit::Count),
-        "Records this instance claimed (leased) for dispatch.",
-    ),
-    series(
-        "timeoutd_dispatched_total",
-        Counter,
-        Some(Unit::Count),
-        "Timeout messages the broker confirmed.",
-    ),
-    series(
-        "timeoutd_removed_total",
-        Counter,
-        Some(Unit::Count),
-        "Records deleted from Timeouts after a confirmed publish.",
-    ),
-    labelled(
-        series(
-            "timeoutd_publish_failures_total",
-            Counter,
-            Some(Unit::Count),
-            "Publishes that failed, by reason (returned: no queue bound to the destination).",
-        ),
-        "reason",
-        PUBLISH_FAILURE_REASONS,
-        Start::Zero,
-    ),
-    labelled(
-        series(
-            "timeoutd_released_total",
-            Counter,
-            Some(Unit::Count),
-            "Leased records given back unsent, by reason.",
-        ),
-        "reason",
-        RELEASED_REASONS,
-        Start::Zero,
-    ),
-    series(
+    counter("timeoutd_claimed_total", "Records this instance claimed (leased) for dispatch."),
+    counter("timeoutd_dispatched_total", "Timeout messages the broker confirmed."),
+    counter("timeoutd_removed_total", "Records deleted from Timeouts after a confirmed publish."),
+    counter(
+        "timeoutd_publish_failures_total",
+        "Publishes that failed, by reason (returned: no queue bound to the destination).",
+    )
+    .by("reason", PUBLISH_FAILURE_REASONS),
+    counter(
+        "timeoutd_released_total",
+        "Leased records given back unsent, by reason.",
+    )
+    .by("reason", RELEASED_REASONS),
+    counter(
         "timeoutd_lease_lost_total",
-        Counter,
-        Some(Unit::Count),
         "Records whose guarded write (the removal after a confirmed send, a refused send's deferral, parking) matched nothing because their lease had run out or another owner held them: a lease problem (lock_lease too short for the database or the settle work). Duplicates are counted in timeoutd_possible_duplicates_total.",
     ),
-    labelled(
-        series(
-            "timeoutd_possible_duplicates_total",
-            Counter,
-            Some(Unit::Count),
-            "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
-        ),
-        "cause",
-        POSSIBLE_DUPLICATE_CAUSES,
-        Start::Zero,
-    ),
-    series(
-        "timeoutd_reaped_total",
-        Counter,
-        Some(Unit::Count),
-        "Expired leases the reaper freed.",
-    ),
-    labelled(
-        series(
-            "timeoutd_skipped_total",
-            Counter,
-            Some(Unit::Count),
-            "Claimed records not sent this time, by reason.",
-        ),
-        "reason",
-        SKIPPED_REASONS,
-        Start::Zero,
-    ),
-    series(
+    counter(
+        "timeoutd_possible_duplicates_total",
+        "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
+    )
+    .by("cause", POSSIBLE_DUPLICATE_CAUSES),
+    counter("timeoutd_reaped_total", "Expired leases the reaper freed."),
+    counter(
+        "timeoutd_skipped_total",
+        "Claimed records not sent this time, by reason.",
+    )
+    .by("reason", SKIPPED_REASONS),
+    counter(
         "timeoutd_retries_total",
-        Counter,
-        Some(Unit::Count),
         "Refused sends scheduled for another attempt after back-off.",
     ),
-    labelled(
-        series(
-            "timeoutd_parked_total",
-            Counter,
-            Some(Unit::Count),
-            "Records moved to the parking collection, by reason.",
-        ),
-        "reason",
-        PARKED_REASONS,
-        Start::Zero,
-    ),
-    series(
+    counter(
+        "timeoutd_parked_total",
+        "Records moved to the parking collection, by reason.",
+    )
+    .by("reason", PARKED_REASONS),
+    gauge(
         "timeoutd_parked_records",
-        Gauge,
-        Some(Unit::Count),
         "Records in the parking collection at the last monitor reading.",
     ),
-    series(
+    histogram(
         "timeoutd_dispatch_lateness_seconds",
-        Histogram,
-        Some(Unit::Seconds),
         "Broker confirm time minus due time of each dispatched record, on the database server clock.",
     ),
-    series(
-        "timeoutd_claim_duration_seconds",
-        Histogram,
-        Some(Unit::Seconds),
-        "Duration of each claim of a batch in MongoDB.",
-    ),
-    labelled(
-        series(
-            "timeoutd_mongodb_call_seconds",
-            Histogram,
-            Some(Unit::Seconds),
-            "Duration of each MongoDB call, by lease step: find (the candidate read), claim (the compare-and-swap updateMany), read_back, remove (the guarded deleteMany) and release; and in the background: backlog (the monitor's gauges), census, reap (the reaper's pass) and shapes (learning and probing the Time shapes).",
-        ),
-        "call",
-        MONGODB_CALLS,
-        Start::Zero,
-    ),
-    series(
+    histogram("timeoutd_claim_duration_seconds", "Duration of each claim of a batch in MongoDB."),
+    histogram(
+        "timeoutd_mongodb_call_seconds",
+        "Duration of each MongoDB call, by lease step: find (the candidate read), claim (the compare-and-swap updateMany), read_back, remove (the guarded deleteMany) and release; and in the background: backlog (the monitor's gauges), census, reap (the reaper's pass) and shapes (learning and probing the Time shapes).",
+    )
+    .by("call", MONGODB_CALLS),
+    histogram(
         "timeoutd_publish_confirm_seconds",
-        Histogram,
-        Some(Unit::Seconds),
         "Duration from publishing a batch to the broker's last confirm.",
     ),
-    series(
+    gauge(
         "timeoutd_due_backlog",
-        Gauge,
-        Some(Unit::Count),
         "Due and claimable records of destinations not paused at the last monitor reading, counted up to 10000 (a bigger backlog reads 10000; timeoutd stats counts them all). Read from the collection, independent of what the claims learned.",
     ),
-    series(
+    gauge(
         "timeoutd_oldest_due_age_seconds",
-        Gauge,
-        Some(Unit::Seconds),
         "Age of the oldest due record (leased or not) of a destination not paused at the last monitor reading; 0 when none is due.",
     ),
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_due_unclaimed_seconds",
-            Gauge,
-            Some(Unit::Seconds),
-            "How long the oldest due record of a destination neither paused nor rate-limited has stayed unclaimed while no claim of this instance read a due record and nothing was sent; 0 while it makes progress. /readyz is 503 past 3 x poll_interval + lease_safety_margin + 2 x operation_timeout.",
-        )
-    },
-    series(
-        "timeoutd_leases_held",
-        Gauge,
-        Some(Unit::Count),
-        "Records this instance holds leased now.",
-    ),
-    series(
+    gauge(
+        "timeoutd_due_unclaimed_seconds",
+        "How long the oldest due record of a destination neither paused nor rate-limited has stayed unclaimed while no claim of this instance read a due record and nothing was sent; 0 while it makes progress. /readyz is 503 past 3 x poll_interval + lease_safety_margin + 2 x operation_timeout.",
+    )
+    .at_zero(),
+    gauge("timeoutd_leases_held", "Records this instance holds leased now."),
+    gauge(
         "timeoutd_clock_offset_seconds",
-        Gauge,
-        Some(Unit::Seconds),
         "Database server clock minus this host's clock at the last monitor reading.",
     ),
-    labelled(
-        series(
-            "timeoutd_dependency_up",
-            Gauge,
-            None,
-            "Whether the dependency answered at its last use: 1 up, 0 down.",
-        ),
-        "dependency",
-        DEPENDENCIES,
-        Start::Zero,
-    ),
-    series(
+    gauge(
+        "timeoutd_dependency_up",
+        "Whether the dependency answered at its last use: 1 up, 0 down.",
+    )
+    .by("dependency", DEPENDENCIES).at_zero(),
+    counter(
         "timeoutd_rabbitmq_failovers_total",
-        Counter,
-        Some(Unit::Count),
         "Times the link to the RabbitMQ node in use failed and another node of [rabbitmq] uri answered.",
     ),
-    labelled(
-        series(
-            "timeoutd_rabbitmq_node",
-            Gauge,
-            None,
-            "The RabbitMQ node in use, by node (host:port): 1 for the node in use, 0 for the others of [rabbitmq] uri.",
-        ),
-        "node",
-        &[],
-        Start::FirstReading,
-    ),
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_rabbitmq_blocked",
-            Gauge,
-            None,
-            "1 while the broker blocks the connection (connection.blocked: a memory or disk alarm); no claims then.",
-        )
-    },
-    labelled(
-        series(
-            "timeoutd_task_failures_total",
-            Counter,
-            Some(Unit::Count),
-            "Essential tasks that stopped or panicked while the daemon was not shutting down, by task; the process then exits 1 to be restarted.",
-        ),
-        "task",
-        TASKS,
-        Start::Zero,
-    ),
-    series(
+    gauge(
+        "timeoutd_rabbitmq_node",
+        "The RabbitMQ node in use, by node (host:port): 1 for the node in use, 0 for the others of [rabbitmq] uri.",
+    )
+    .by("node", &[]),
+    gauge(
+        "timeoutd_rabbitmq_blocked",
+        "1 while the broker blocks the connection (connection.blocked: a memory or disk alarm); no claims then.",
+    )
+    .at_zero(),
+    counter(
+        "timeoutd_task_failures_total",
+        "Essential tasks that stopped or panicked while the daemon was not shutting down, by task; the process then exits 1 to be restarted.",
+    )
+    .by("task", TASKS),
+    gauge(
         "timeoutd_ready",
-        Gauge,
-        None,
         "1 while /readyz answers 200 (MongoDB and RabbitMQ answer, due records get claimed, not draining), else 0; read at each scrape.",
     ),
-    series(
+    gauge(
         "timeoutd_up",
-        Gauge,
-        None,
         "1 while the daemon runs its tasks; 0 once one has stopped and the daemon is exiting.",
     ),
-    series(
+    counter(
         "timeoutd_stuck_locks_freed_total",
-        Counter,
-        Some(Unit::Count),
         "Records locked without a lease expiry (left by another dispatcher) that the reaper freed.",
     ),
-    series(
+    gauge(
         "timeoutd_unschedulable_records",
-        Gauge,
-        None,
         "Records whose Time no branch of the due query matches, at the last census.",
     ),
-    series(
-        "timeoutd_stuck_locks",
-        Gauge,
-        None,
-        "Records locked without a lease expiry, at the last census.",
-    ),
-    series(
+    gauge("timeoutd_stuck_locks", "Records locked without a lease expiry, at the last census."),
+    gauge(
         "timeoutd_odd_locked_records",
-        Gauge,
-        None,
         "Records whose Locked is missing or not a boolean and whose LockExpiresAt is no date, at the last census: no claim takes them, so they never fire until fixed.",
     ),
-    series(
+    gauge(
         "timeoutd_build_info",
-        Gauge,
-        None,
         "Always 1; the version and revision (git commit, or unknown) labels name the running build.",
     ),
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_paused_destinations",
-            Gauge,
-            None,
-            "Destinations paused fleet-wide (timeoutd pause), as this instance applies them now.",
-        )
-    },
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_longest_pause_seconds",
-            Gauge,
-            Some(Unit::Seconds),
-            "How long the oldest pause in force has lasted; 0 when no destination is paused.",
-        )
-    },
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_paused_backlog",
-            Gauge,
-            None,
-            "Records of paused destinations due now (held back by the pause), at the last monitor reading, counted up to 10000.",
-        )
-    },
-    labelled(
-        series(
-            "timeoutd_held_back_total",
-            Counter,
-            Some(Unit::Count),
-            "Claimed records not sent when due, by reason: paused (released unsent), rate_limit (each wait for a send-rate token).",
-        ),
-        "reason",
-        HELD_BACK_REASONS,
-        Start::Zero,
-    ),
-    series(
+    gauge(
+        "timeoutd_paused_destinations",
+        "Destinations paused fleet-wide (timeoutd pause), as this instance applies them now.",
+    )
+    .at_zero(),
+    gauge(
+        "timeoutd_longest_pause_seconds",
+        "How long the oldest pause in force has lasted; 0 when no destination is paused.",
+    )
+    .at_zero(),
+    gauge(
+        "timeoutd_paused_backlog",
+        "Records of paused destinations due now (held back by the pause), at the last monitor reading, counted up to 10000.",
+    )
+    .at_zero(),
+    counter(
+        "timeoutd_held_back_total",
+        "Claimed records not sent when due, by reason: paused (released unsent), rate_limit (each wait for a send-rate token).",
+    )
+    .by("reason", HELD_BACK_REASONS),
+    counter(
         "timeoutd_history_written_total",
-        Counter,
-        Some(Unit::Count),
         "History rows written ([history] keep): fired, parked and cancelled timeouts.",
     ),
-    labelled(
-        series(
-            "timeoutd_history_lost_total",
-            Counter,
-            Some(Unit::Count),
-            "History rows not written, by reason: write_failed (the write failed or timed out), backlog (the writer was too far behind); the timeouts themselves were unaffected.",
-        ),
-        "reason",
-        HISTORY_LOST_REASONS,
-        Start::Zero,
-    ),
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_mongodb_calls_in_flight",
-            Gauge,
-            None,
-            "MongoDB calls this instance may have running on the server: started and not returned, or abandoned at their deadline less than twice operation_timeout after they started (the server's maxTimeMS ends them).",
-        )
-    },
-    Series {
-        start: Start::Zero,
-        ..series(
-            "timeoutd_indexes_missing",
-            Gauge,
-            None,
-            "Indexes timeoutd asked for that do not exist yet (being built, or their creation failed); claims use the indexes that exist meanwhile.",
-        )
-    },
+    counter(
+        "timeoutd_history_lost_total",
+        "History rows not written, by reason: write_failed (the write failed or timed out), backlog (the writer was too far behind); the timeouts themselves were unaffected.",
+    )
+    .by("reason", HISTORY_LOST_REASONS),
+    gauge(
+        "timeoutd_mongodb_calls_in_flight",
+        "MongoDB calls this instance may have running on the server: started and not returned, or abandoned at their deadline less than twice operation_timeout after they started (the server's maxTimeMS ends them).",
+    )
+    .at_zero(),
+    gauge(
+        "timeoutd_indexes_missing",
+        "Indexes timeoutd asked for that do not exist yet (being built, or their creation failed); claims use the indexes that exist meanwhile.",
+    )
+    .at_zero(),
 ];
 
 /// Gives every series its HELP text and registers the counters, histograms and known label
 /// values at zero. Call once, after the recorder is installed and before anything records.
 pub fn describe_all() {
     for s in SERIES {
-        let unit = s.unit.unwrap_or(Unit::Count);
+        let unit = if s.name.ends_with("_seconds") {
+            Unit::Seconds
+        } else {
+            Unit::Count
+        };
         match s.kind {
             Kind::Counter => metrics::describe_counter!(s.name, unit, s.help),
             Kind::Gauge => metrics::describe_gauge!(s.name, unit, s.help),

@@ -1,9 +1,14 @@
 //! The small functions that record each series through the `metrics` facade, one per
-//! event or gauge; their names and HELP texts are in [`super::SERIES`].
+//! event or gauge; what each series means is its HELP text in [`super::SERIES`].
 
 use std::time::Duration;
 
 use bson::DateTime;
+
+/// A gauge's value for a yes-or-no reading.
+fn flag(on: bool) -> f64 {
+    f64::from(u8::from(on))
+}
 
 pub fn claimed(n: usize) {
     metrics::counter!("timeoutd_claimed_total").increment(n as u64);
@@ -31,18 +36,10 @@ pub fn released(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_released_total", "reason" => reason).increment(n as u64);
 }
 
-/// `n` records whose guarded write (the removal after a confirmed send, a refused send's
-/// deferral, parking) matched nothing because their lease had run out or another owner held
-/// them. A lease problem; whether it may also cause a duplicate is counted apart
-/// ([`possible_duplicates`]).
 pub fn lease_lost(n: usize) {
     metrics::counter!("timeoutd_lease_lost_total").increment(n as u64);
 }
 
-/// `n` records that may be delivered twice, by cause (one of
-/// [`super::POSSIBLE_DUPLICATE_CAUSES`]): a publish whose outcome is unknown (`timeout`,
-/// `connection`, `panic`), a confirmed record left leased when shutdown cut its removal short
-/// (`shutdown`), or one whose lease was lost before its removal (`lease_lost`).
 pub fn possible_duplicates(cause: &'static str, n: usize) {
     metrics::counter!("timeoutd_possible_duplicates_total", "cause" => cause).increment(n as u64);
 }
@@ -55,17 +52,14 @@ pub fn skipped(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_skipped_total", "reason" => reason).increment(n as u64);
 }
 
-/// A record moved to the parking collection.
 pub fn parked(reason: &'static str) {
     metrics::counter!("timeoutd_parked_total", "reason" => reason).increment(1);
 }
 
-/// A refused send scheduled for another attempt after back-off.
 pub fn retried() {
     metrics::counter!("timeoutd_retries_total").increment(1);
 }
 
-/// How many records wait in the parking collection (from the monitor's periodic query).
 pub fn parked_records(n: u64) {
     metrics::gauge!("timeoutd_parked_records").set(n as f64);
 }
@@ -74,7 +68,6 @@ pub fn claim_duration(d: Duration) {
     metrics::histogram!("timeoutd_claim_duration_seconds").record(d.as_secs_f64());
 }
 
-/// One MongoDB call on the dispatch path (`call` is one of [`super::MONGODB_CALLS`]).
 pub fn mongodb_call(call: &'static str, d: Duration) {
     metrics::histogram!("timeoutd_mongodb_call_seconds", "call" => call).record(d.as_secs_f64());
 }
@@ -84,16 +77,12 @@ pub fn publish_confirm(d: Duration) {
 }
 
 pub fn dependency_up(dependency: &'static str, up: bool) {
-    metrics::gauge!("timeoutd_dependency_up", "dependency" => dependency).set(if up {
-        1.0
-    } else {
-        0.0
-    });
+    metrics::gauge!("timeoutd_dependency_up", "dependency" => dependency).set(flag(up));
 }
 
 /// Readiness as `/readyz` reports it, set just before each scrape renders.
 pub fn ready(ready: bool) {
-    metrics::gauge!("timeoutd_ready").set(if ready { 1.0 } else { 0.0 });
+    metrics::gauge!("timeoutd_ready").set(flag(ready));
 }
 
 pub fn clock_offset(offset_ms: i64) {
@@ -110,23 +99,18 @@ pub fn backlog(due: u64, oldest_due_age_seconds: Option<f64>) {
     metrics::gauge!("timeoutd_oldest_due_age_seconds").set(oldest_due_age_seconds.unwrap_or(0.0));
 }
 
-/// How long due records have stayed unclaimed with no progress of this instance.
 pub fn due_unclaimed(d: Duration) {
     metrics::gauge!("timeoutd_due_unclaimed_seconds").set(d.as_secs_f64());
 }
 
-/// An essential task of the daemon ended or panicked while it was not shutting down.
 pub fn task_failure(task: &'static str) {
     metrics::counter!("timeoutd_task_failures_total", "task" => task).increment(1);
 }
 
-/// Locks without a lease expiry the reaper freed (left by ServiceConnect's own poller).
 pub fn stuck_freed(n: u64) {
     metrics::counter!("timeoutd_stuck_locks_freed_total").increment(n);
 }
 
-/// The census: records whose `Time` no branch of the due query serves, records locked
-/// with no lease expiry, and records whose `Locked` no claim matches.
 pub fn census(unschedulable: u64, stuck_locks: u64, odd_locked: u64) {
     metrics::gauge!("timeoutd_unschedulable_records").set(unschedulable as f64);
     metrics::gauge!("timeoutd_stuck_locks").set(stuck_locks as f64);
@@ -138,12 +122,10 @@ pub fn calls_in_flight(n: usize) {
     metrics::gauge!("timeoutd_mongodb_calls_in_flight").set(n as f64);
 }
 
-/// `timeoutd_indexes_missing`: indexes asked for and not there yet.
 pub fn indexes_missing(n: usize) {
     metrics::gauge!("timeoutd_indexes_missing").set(n as f64);
 }
 
-/// The link to the RabbitMQ node in use failed and another node answered.
 pub fn rabbitmq_failover() {
     metrics::counter!("timeoutd_rabbitmq_failovers_total").increment(1);
 }
@@ -151,47 +133,38 @@ pub fn rabbitmq_failover() {
 /// The node in use: 1 for `node`, 0 for every other node of the list.
 pub fn rabbitmq_node(node: &str, all: &[String]) {
     for other in all {
-        let value = if other == node { 1.0 } else { 0.0 };
-        metrics::gauge!("timeoutd_rabbitmq_node", "node" => other.clone()).set(value);
+        metrics::gauge!("timeoutd_rabbitmq_node", "node" => other.clone()).set(flag(other == node));
     }
 }
 
-/// Whether the broker blocked the connection (`connection.blocked`: a memory or disk alarm).
 pub fn rabbitmq_blocked(blocked: bool) {
-    metrics::gauge!("timeoutd_rabbitmq_blocked").set(if blocked { 1.0 } else { 0.0 });
+    metrics::gauge!("timeoutd_rabbitmq_blocked").set(flag(blocked));
 }
 
-/// History rows written.
 pub fn history_written(n: usize) {
     metrics::counter!("timeoutd_history_written_total").increment(n as u64);
 }
 
-/// History rows lost, by reason (one of [`super::HISTORY_LOST_REASONS`]).
 pub fn history_lost(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_history_lost_total", "reason" => reason).increment(n as u64);
 }
 
-/// Whether the daemon runs all its essential tasks.
 pub fn up(up: bool) {
-    metrics::gauge!("timeoutd_up").set(if up { 1.0 } else { 0.0 });
+    metrics::gauge!("timeoutd_up").set(flag(up));
 }
 
-/// The destinations paused now, as the dispatch loop applies them.
 pub fn paused_destinations(n: usize) {
     metrics::gauge!("timeoutd_paused_destinations").set(n as f64);
 }
 
-/// How long the oldest pause in force has lasted.
 pub fn pause_age(longest_seconds: f64) {
     metrics::gauge!("timeoutd_longest_pause_seconds").set(longest_seconds);
 }
 
-/// The due records paused destinations hold back (from the monitor's periodic query).
 pub fn paused_backlog(n: u64) {
     metrics::gauge!("timeoutd_paused_backlog").set(n as f64);
 }
 
-/// Claimed records held back from a send, by reason.
 pub fn held_back(reason: &'static str, n: usize) {
     metrics::counter!("timeoutd_held_back_total", "reason" => reason).increment(n as u64);
 }

@@ -3,7 +3,7 @@
 //! ([`crate::store::control`]) into [`ControlState`], and the dispatch loop consults it: it
 //! names the paused destinations to each claim.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use crate::store::control::Snapshot;
 
@@ -19,10 +19,7 @@ impl ControlState {
 
     /// Replaces the snapshot; `true` when it changed.
     pub fn set(&self, next: Snapshot) -> bool {
-        let mut guard = match self.0.write() {
-            Ok(g) => g,
-            Err(e) => e.into_inner(),
-        };
+        let mut guard = self.0.write().unwrap_or_else(PoisonError::into_inner);
         if **guard == next {
             return false;
         }

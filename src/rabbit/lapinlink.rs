@@ -208,28 +208,23 @@ pub async fn broker_version(uri: &str) -> Result<String, String> {
     if parsed.scheme != lapin::uri::AMQPScheme::AMQP {
         return Err("not read over amqps://".into());
     }
+    let io = |e: std::io::Error| e.to_string();
     let host = parsed.authority.host.clone();
     let mut socket = tokio::net::TcpStream::connect((host.as_str(), parsed.authority.port))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(io)?;
     socket
         .write_all(b"AMQP\x00\x00\x09\x01")
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(io)?;
     let mut head = [0u8; 7];
-    socket
-        .read_exact(&mut head)
-        .await
-        .map_err(|e| e.to_string())?;
+    socket.read_exact(&mut head).await.map_err(io)?;
     let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
     if head[0] != 1 || size > MAX_START_FRAME {
         return Err("the broker sent no Connection.Start".into());
     }
     let mut payload = vec![0u8; size];
-    socket
-        .read_exact(&mut payload)
-        .await
-        .map_err(|e| e.to_string())?;
+    socket.read_exact(&mut payload).await.map_err(io)?;
     // class 10 (connection), method 10 (start), version-major, version-minor, properties.
     if payload.get(..4) != Some(&[0, 10, 0, 10][..]) {
         return Err("the broker sent no Connection.Start".into());

@@ -86,15 +86,19 @@ enum Waited {
 /// the batch makes every acked message of the batch count as returned: sent again rather than
 /// lost.
 ///
-/// When a confirm was abandoned (`given_up`: [`Waited::Abandoned`], or a publish that failed
-/// after its confirm was registered), a return may be lost with it. An ack read before any
+/// When a confirm was abandoned ([`Waited::Abandoned`], or a publish that failed after its
+/// confirm was registered: `publish_failed`), a return may be lost with it. An ack read before any
 /// confirm was abandoned, carrying no return or its own, is still sure: every return waiting
 /// when it resolved was handed to a confirm resolved before it, whose answer was read. Any
 /// other ack (read late, or carrying another message's return, so its own may still have been
 /// waiting) is of unknown outcome: the broker acked it, but whether it was routed is unknown.
 /// It counts as [`SendOutcome::TimedOut`], released rather than deleted (a possible duplicate,
 /// counted as such), never as confirmed.
-fn settle(message_ids: &[Option<String>], waits: Vec<Waited>, given_up: bool) -> Vec<SendOutcome> {
+fn settle(
+    message_ids: &[Option<String>],
+    waits: Vec<Waited>,
+    publish_failed: bool,
+) -> Vec<SendOutcome> {
     let mut returned: HashSet<String> = HashSet::new();
     let mut unattributed = false;
     for w in &waits {
@@ -111,7 +115,7 @@ fn settle(message_ids: &[Option<String>], waits: Vec<Waited>, given_up: bool) ->
             }
         }
     }
-    let given_up = given_up || waits.iter().any(|w| matches!(w, Waited::Abandoned));
+    let given_up = publish_failed || waits.iter().any(|w| matches!(w, Waited::Abandoned));
     waits
         .into_iter()
         .zip(message_ids)
@@ -191,13 +195,6 @@ pub struct LinkWatch {
 }
 
 impl LinkWatch {
-    fn new(broker: Arc<dyn Broker>) -> Self {
-        Self {
-            link: Arc::default(),
-            broker,
-        }
-    }
-
     /// Whether the open link is blocked by the broker.
     pub fn blocked(&self) -> bool {
         let link = self
@@ -215,13 +212,6 @@ impl LinkWatch {
     fn set(&self, link: Option<&Arc<dyn Link>>) {
         *self.link.lock().unwrap_or_else(PoisonError::into_inner) = link.map(Arc::downgrade);
     }
-}
-
-/// Closes a link given up on, in the background, within 5 s.
-fn retire(link: Arc<dyn Link>, code: u16, reason: &'static str) {
-    crate::host::spawn(async move {
-        let _ = tokio::time::timeout(Duration::from_secs(5), link.close(code, reason)).await;
-    });
 }
 
 /// A RabbitMQ publisher that reconnects on demand.
@@ -251,7 +241,8 @@ impl Publisher {
 
     /// A publisher for `[rabbitmq]` whose links `broker` opens.
     pub fn with_broker(config: &RabbitConfig, broker: Arc<dyn Broker>) -> Self {
-        Self::with_watch(config, LinkWatch::new(broker))
+        let link = Arc::default();
+        Self::with_watch(config, LinkWatch { link, broker })
     }
 
     /// A new publisher in place of one whose task died: the same broker, and the same watch
@@ -318,25 +309,14 @@ impl Publisher {
         if self.usable() {
             return Ok(());
         }
-        if let Some(link) = self.link.take() {
-            self.nodes.link_failed();
-            if self.tainted {
-                tracing::info!(
-                    "replacing the RabbitMQ link that withheld confirms while the broker blocked it"
-                );
-            }
-            retire(link, 320, "timeoutd: link lost or withheld confirms");
+        if self.tainted {
+            tracing::info!(
+                "replacing the RabbitMQ link that withheld confirms while the broker blocked it"
+            );
         }
-        self.tainted = false;
-        self.watch.set(None);
+        self.give_up_link();
         let mut last = None;
-        let order: Vec<(usize, String)> = self
-            .nodes
-            .order()
-            .into_iter()
-            .map(|(i, u)| (i, u.to_string()))
-            .collect();
-        for (index, uri) in order {
+        for (index, uri) in self.nodes.order() {
             match self.open(&uri).await {
                 Ok(link) => {
                     let link: Arc<dyn Link> = Arc::from(link);
@@ -344,14 +324,14 @@ impl Publisher {
                     self.link = Some(link);
                     let failover = self.nodes.connected(index);
                     if let Some(f) = &failover {
-                        tracing::warn!(from = %f.from, to = %f.to, nodes = %crate::config::nodes::redact_list(&self.nodes_uri()), "RabbitMQ failover: the link to the node in use failed; another node answered");
+                        tracing::warn!(from = %f.from, to = %f.to, nodes = %self.nodes.redacted(), "RabbitMQ failover: the link to the node in use failed; another node answered");
                         m::rabbitmq_failover();
                     }
-                    m::rabbitmq_node(&self.node(), &self.all_labels());
+                    m::rabbitmq_node(&self.node(), &self.nodes.labels());
                     return Ok(());
                 }
                 Err(e) => {
-                    if self.nodes.len() > 1 {
+                    if !self.nodes.single() {
                         tracing::warn!(node = %crate::config::nodes::label(&uri), error = %e, "RabbitMQ node did not answer; trying the next");
                     }
                     last = Some(e);
@@ -359,24 +339,12 @@ impl Publisher {
             }
         }
         match last {
-            Some(e) if self.nodes.len() == 1 => Err(e),
+            Some(e) if self.nodes.single() => Err(e),
             last => Err(PublishError::NoNode {
-                nodes: crate::config::nodes::redact_list(&self.nodes_uri()),
+                nodes: self.nodes.redacted(),
                 last: last.map_or_else(|| "no node is configured".into(), |e| e.to_string()),
             }),
         }
-    }
-
-    fn nodes_uri(&self) -> String {
-        self.nodes.uris().join(",")
-    }
-
-    fn all_labels(&self) -> Vec<String> {
-        self.nodes
-            .uris()
-            .iter()
-            .map(|u| crate::config::nodes::label(u))
-            .collect()
     }
 
     /// One node: the connection and a confirm-mode channel, within `connect_timeout`.
@@ -419,29 +387,25 @@ impl Publisher {
         // publish begun is of unknown outcome once given up on (its frames may still go out);
         // one never begun was not sent.
         let mut pending: Vec<Result<Confirm, Waited>> = Vec::with_capacity(messages.len());
-        let mut broken: Option<SendOutcome> = None;
+        // Why the rest of the wave is not sent, once a publish failed or was given up on.
+        let mut broken: Option<String> = None;
         // A publish that failed may have registered its confirm and dropped it.
         let mut publish_failed = false;
         for m in messages {
-            if let Some(outcome) = &broken {
-                let not_sent = match outcome {
-                    SendOutcome::NotSent(e) | SendOutcome::Connection(e) => e.clone(),
-                    _ => "an earlier publish of the wave did not finish in time".into(),
-                };
-                pending.push(Err(Waited::Failed(SendOutcome::NotSent(not_sent))));
+            if let Some(why) = &broken {
+                pending.push(Err(Waited::Failed(SendOutcome::NotSent(why.clone()))));
                 continue;
             }
             let publish = link.publish(&m.routing_key, m.body.clone(), m.properties.clone(), true);
             match until_stopped(publish, stop_waiting).await {
                 Some((Ok(confirm), _)) => pending.push(Ok(confirm)),
                 Some((Err(e), _)) => {
-                    let failed = SendOutcome::NotSent(e.to_string());
                     publish_failed = true;
-                    broken = Some(failed.clone());
-                    pending.push(Err(Waited::Failed(failed)));
+                    broken = Some(e.to_string());
+                    pending.push(Err(Waited::Failed(SendOutcome::NotSent(e.to_string()))));
                 }
                 None => {
-                    broken = Some(SendOutcome::TimedOut);
+                    broken = Some("an earlier publish of the wave did not finish in time".into());
                     pending.push(Err(Waited::Abandoned));
                 }
             }
@@ -464,12 +428,11 @@ impl Publisher {
             }
         }))
         .await;
-        let given_up = publish_failed || waits.iter().any(|w| matches!(w, Waited::Abandoned));
         let ids: Vec<Option<String>> = messages
             .iter()
             .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
             .collect();
-        let outcomes = settle(&ids, waits, given_up);
+        let outcomes = settle(&ids, waits, publish_failed);
         // A link that lost or withheld a confirm is suspect: the next batch opens a new one,
         // to the next node. Not at once when the broker blocks it (a memory or disk alarm,
         // which a new link would soon share): it is kept, so that the dispatch loop sees the
@@ -477,23 +440,32 @@ impl Publisher {
         // wave again, as a late confirm of it could carry a later message's return
         // (`tainted`): it is replaced once the block lifts, or by the next connect.
         let status = link.status();
-        let withheld =
-            given_up || broken.is_some() || outcomes.iter().any(SendOutcome::outcome_unknown);
+        let withheld = broken.is_some() || outcomes.iter().any(SendOutcome::outcome_unknown);
         if status.connected && status.blocked && withheld {
             tracing::warn!(
                 "RabbitMQ blocks a link that withheld confirms; keeping it only to follow the block"
             );
             self.tainted = true;
-        } else if (!status.connected || withheld)
-            && let Some(link) = self.link.take()
-        {
+        } else if !status.connected || withheld {
             // The next connect starts at the next node: one that withholds confirms (a quorum
             // queue without its majority) must not get the next wave.
-            self.nodes.link_failed();
-            self.watch.set(None);
-            retire(link, 320, "timeoutd: link lost or withheld confirms");
+            self.give_up_link();
         }
         outcomes
+    }
+
+    /// Drops the open link, if any, closing it in the background within 5 s; the next connect
+    /// starts at the next node.
+    fn give_up_link(&mut self) {
+        if let Some(link) = self.link.take() {
+            self.nodes.link_failed();
+            crate::host::spawn(async move {
+                let close = link.close(320, "timeoutd: link lost or withheld confirms");
+                let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
+            });
+        }
+        self.tainted = false;
+        self.watch.set(None);
     }
 }
 
@@ -687,118 +659,98 @@ pub(crate) mod tests {
             .expect("a runtime")
     }
 
-    /// Publishes `ids` over a fresh link answering `script`; the wave's deadline passes as
-    /// the last write goes out when `deadline_after_writes`.
+    /// Publishes one message per `(id, answer)` over a fresh link; `None`: the wave's deadline
+    /// passes while its confirm is awaited, never answered. With `deadline_after_writes`, the
+    /// deadline also passes as the last write goes out.
     async fn wave(
-        ids: &[&str],
-        script: impl FnOnce(&CancellationToken) -> Vec<Script>,
+        answers: &[(&str, Option<Answer>)],
         deadline_after_writes: bool,
     ) -> Vec<SendOutcome> {
         let stop = CancellationToken::new();
         let broker = Arc::new(FakeBroker::default());
-        broker.link(script(&stop), deadline_after_writes.then(|| stop.clone()));
+        let script = answers
+            .iter()
+            .map(|(_, a)| match a {
+                Some(a) => Script::Ready(a.clone()),
+                None => Script::DeadlineThenNever(stop.clone()),
+            })
+            .collect();
+        broker.link(script, deadline_after_writes.then(|| stop.clone()));
         let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
         p.connect().await.expect("the fake link opens");
-        let messages: Vec<OutgoingMessage> = ids.iter().copied().map(message).collect();
+        let messages: Vec<OutgoingMessage> = answers.iter().map(|(id, _)| message(id)).collect();
         p.publish_batch(&messages, &stop, &CancellationToken::new())
             .await
     }
 
-    /// Issue 25, 8.1: B is returned, and its return comes with A's ack (as lapin hands a
-    /// return to whichever ack it resolves next). The deadline passes as both confirms are
-    /// ready: a wait that chose the deadline over A's ready confirm dropped B's return with
-    /// it, and B counted as confirmed (its record deleted unsent). Seeded, so that the
-    /// unbiased choice of the old wait is the same each run; 64 rounds.
+    /// Issue 25, 8.1: an ack counts as confirmed only when no return can have been lost with an
+    /// abandoned confirm. Each case runs 64 rounds, seeded, so that the unbiased choice the old
+    /// wait made between a ready answer and the deadline is the same each run.
     #[test]
-    fn a_return_on_another_messages_ack_is_not_lost_when_the_deadline_passes_with_it() {
+    fn an_ack_is_confirmed_only_when_no_return_can_have_been_lost() {
+        use SendOutcome::{Confirmed, Returned, TimedOut};
+        let ack = |r| Some(Answer::Ack(r));
+        let cases = [
+            // B's return comes with A's ack (as lapin hands a return to whichever ack it
+            // resolves next), and the deadline passes as both are ready: a wait that chose the
+            // deadline over A's ready confirm dropped B's return, and B was deleted unsent.
+            (
+                vec![("A", ack(returned("B"))), ("B", ack(None))],
+                true,
+                [Confirmed, Returned],
+            ),
+            // B's ack, read before X's confirm was abandoned, carried X's return: B's own may
+            // still have been waiting, for X's confirm to take. B is unknown.
+            (
+                vec![("B", ack(returned("X"))), ("X", None)],
+                false,
+                [TimedOut, TimedOut],
+            ),
+            // An ack read after the deadline, in a wave that abandoned a confirm, may have lost
+            // its return to that confirm: unknown.
+            (
+                vec![("X", None), ("B", ack(None))],
+                false,
+                [TimedOut, TimedOut],
+            ),
+            // An ack read before any confirm was abandoned, with no return, stays confirmed: a
+            // queue that withholds confirms does not make the rest of the wave sent again.
+            (
+                vec![("A", ack(None)), ("X", None)],
+                false,
+                [Confirmed, TimedOut],
+            ),
+        ];
         seeded().block_on(async {
-            for round in 0..64 {
-                let outcomes = wave(
-                    &["A", "B"],
-                    |_| {
-                        vec![
-                            Script::Ready(Answer::Ack(returned("B"))),
-                            Script::Ready(Answer::Ack(None)),
-                        ]
-                    },
-                    true,
-                )
-                .await;
-                assert_eq!(
-                    outcomes,
-                    [SendOutcome::Confirmed, SendOutcome::Returned],
-                    "round {round}"
-                );
+            for (answers, deadline_after_writes, expected) in cases {
+                for round in 0..64 {
+                    let outcomes = wave(&answers, deadline_after_writes).await;
+                    assert_eq!(outcomes, expected, "{answers:?}, round {round}");
+                }
             }
         });
     }
 
-    /// Issue 25, 8.1: X's confirm is abandoned at the deadline; B's ack, read before it,
-    /// carried X's return, so B's own return may still have been waiting, for X's confirm to
-    /// take when it resolves (a return lost). B is of unknown outcome, never confirmed.
-    #[test]
-    fn an_ack_carrying_another_return_is_unknown_when_a_confirm_is_abandoned() {
-        seeded().block_on(async {
-            let outcomes = wave(
-                &["B", "X"],
-                |stop| {
-                    vec![
-                        Script::Ready(Answer::Ack(returned("X"))),
-                        Script::DeadlineThenNever(stop.clone()),
-                    ]
-                },
-                false,
-            )
+    /// A publisher whose link abandoned a confirm while the broker blocked it, and a second
+    /// link ready to answer one ack.
+    async fn blocked_after_abandoning() -> (Publisher, Arc<FakeBroker>, fake::Status) {
+        let stop = CancellationToken::new();
+        let broker = Arc::new(FakeBroker::default());
+        let status = broker.link(vec![Script::DeadlineThenNever(stop.clone())], None);
+        broker.link(vec![Script::Ready(Answer::Ack(None))], None);
+        let mut p = Publisher::with_broker(&RabbitConfig::default(), broker.clone());
+        p.connect().await.expect("the fake link opens");
+        status.set_blocked(true);
+        let outcomes = p
+            .publish_batch(&[message("A")], &stop, &CancellationToken::new())
             .await;
-            assert_eq!(outcomes, [SendOutcome::TimedOut, SendOutcome::TimedOut]);
-        });
+        assert_eq!(outcomes, [SendOutcome::TimedOut]);
+        (p, broker, status)
     }
 
-    /// Issue 25, 8.1: an ack read after the deadline, in a wave that abandoned a confirm, may
-    /// have lost its return to that confirm: unknown, never confirmed (64 seeded rounds, as
-    /// the old wait chose at random between the late ack and the deadline).
-    #[test]
-    fn a_late_ack_is_unknown_when_a_confirm_is_abandoned() {
-        seeded().block_on(async {
-            for round in 0..64 {
-                let outcomes = wave(
-                    &["X", "B"],
-                    |stop| {
-                        vec![
-                            Script::DeadlineThenNever(stop.clone()),
-                            Script::Ready(Answer::Ack(None)),
-                        ]
-                    },
-                    false,
-                )
-                .await;
-                assert_eq!(
-                    outcomes,
-                    [SendOutcome::TimedOut, SendOutcome::TimedOut],
-                    "round {round}"
-                );
-            }
-        });
-    }
-
-    /// An ack read before any confirm was abandoned, with no return, stays confirmed: a
-    /// queue that withholds confirms does not make the rest of the wave sent again.
-    #[test]
-    fn an_ack_read_before_the_deadline_stays_confirmed_beside_an_abandoned_confirm() {
-        seeded().block_on(async {
-            let outcomes = wave(
-                &["A", "X"],
-                |stop| {
-                    vec![
-                        Script::Ready(Answer::Ack(None)),
-                        Script::DeadlineThenNever(stop.clone()),
-                    ]
-                },
-                false,
-            )
-            .await;
-            assert_eq!(outcomes, [SendOutcome::Confirmed, SendOutcome::TimedOut]);
-        });
+    async fn publish_b(p: &mut Publisher) -> Vec<SendOutcome> {
+        let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
+        p.publish_batch(&[message("B")], &stop, &answered).await
     }
 
     /// Issue 25, 8.1: a link the broker blocks is kept while the block lasts (so the loop sees
@@ -807,20 +759,9 @@ pub(crate) mod tests {
     #[test]
     fn a_blocked_link_that_abandoned_confirms_is_not_reused() {
         seeded().block_on(async {
-            let stop = CancellationToken::new();
-            let broker = Arc::new(FakeBroker::default());
-            let status = broker.link(vec![Script::DeadlineThenNever(stop.clone())], None);
-            let second = broker.link(vec![Script::Ready(Answer::Ack(None))], None);
-            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker.clone());
-            p.connect().await.expect("the fake link opens");
-            status.set_blocked(true);
-            let outcomes = p
-                .publish_batch(&[message("A")], &stop, &CancellationToken::new())
-                .await;
-            assert_eq!(outcomes, [SendOutcome::TimedOut]);
+            let (mut p, broker, status) = blocked_after_abandoning().await;
             assert!(p.is_connected(), "kept while the block lasts");
             assert!(p.watch().blocked(), "the loop sees the block");
-
             status.set_blocked(false);
             assert!(!p.is_connected(), "lost once the block lifts");
             p.connect().await.expect("the second link opens");
@@ -829,15 +770,7 @@ pub(crate) mod tests {
                 2,
                 "the link that withheld confirms was replaced"
             );
-            second.set_blocked(false);
-            let outcomes = p
-                .publish_batch(
-                    &[message("B")],
-                    &CancellationToken::new(),
-                    &CancellationToken::new(),
-                )
-                .await;
-            assert_eq!(outcomes, [SendOutcome::Confirmed]);
+            assert_eq!(publish_b(&mut p).await, [SendOutcome::Confirmed]);
         });
     }
 
@@ -845,24 +778,9 @@ pub(crate) mod tests {
     #[test]
     fn a_wave_on_a_blocked_link_that_abandoned_confirms_gets_a_new_link() {
         seeded().block_on(async {
-            let stop = CancellationToken::new();
-            let broker = Arc::new(FakeBroker::default());
-            let status = broker.link(vec![Script::DeadlineThenNever(stop.clone())], None);
-            broker.link(vec![Script::Ready(Answer::Ack(None))], None);
-            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker.clone());
-            p.connect().await.expect("the fake link opens");
-            status.set_blocked(true);
-            p.publish_batch(&[message("A")], &stop, &CancellationToken::new())
-                .await;
-            let outcomes = p
-                .publish_batch(
-                    &[message("B")],
-                    &CancellationToken::new(),
-                    &CancellationToken::new(),
-                )
-                .await;
+            let (mut p, broker, _status) = blocked_after_abandoning().await;
             assert_eq!(
-                outcomes,
+                publish_b(&mut p).await,
                 [SendOutcome::NotSent("not connected".into())],
                 "nothing more on the link that withheld confirms"
             );

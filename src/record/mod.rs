@@ -86,24 +86,19 @@ const DISCRIMINATED_VALUE: &str = "_v";
 /// Stored header values with the C# driver's discriminated form (`{_t, _v}`, used for
 /// `object`-typed values such as the `byte[]` headers that arrived from RabbitMQ) unwrapped
 /// to their `_v`, so that [`crate::record::message`] formats the value itself.
-pub fn normalize_headers(headers: &Document) -> Document {
+fn normalize_headers(headers: &Document) -> Document {
+    let unwrapped = |value: &Bson| match value {
+        Bson::Document(d)
+            if d.len() == 2 && matches!(d.get(DISCRIMINATOR), Some(Bson::String(_))) =>
+        {
+            d.get(DISCRIMINATED_VALUE).cloned()
+        }
+        _ => None,
+    };
     headers
         .iter()
-        .map(|(k, v)| (k.clone(), unwrap_discriminated(v)))
+        .map(|(k, v)| (k.clone(), unwrapped(v).unwrap_or_else(|| v.clone())))
         .collect()
-}
-
-fn unwrap_discriminated(value: &Bson) -> Bson {
-    match value {
-        Bson::Document(d)
-            if d.len() == 2
-                && matches!(d.get(DISCRIMINATOR), Some(Bson::String(_)))
-                && d.contains_key(DISCRIMINATED_VALUE) =>
-        {
-            d.get(DISCRIMINATED_VALUE).cloned().unwrap_or(Bson::Null)
-        }
-        other => other.clone(),
-    }
 }
 
 /// How stored records are read.

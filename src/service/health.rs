@@ -6,6 +6,7 @@
 //! that turns and claims nothing while records wait is not ready).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -27,7 +28,7 @@ pub struct Health {
     rabbitmq_blocked: AtomicBool,
     draining: AtomicBool,
     /// The essential task that ended or panicked, once one has.
-    failed: std::sync::Mutex<Option<&'static str>>,
+    failed: Mutex<Option<&'static str>>,
     progress: Progress,
 }
 
@@ -48,7 +49,7 @@ impl Health {
             rabbitmq_up: AtomicBool::new(false),
             rabbitmq_blocked: AtomicBool::new(false),
             draining: AtomicBool::new(false),
-            failed: std::sync::Mutex::new(None),
+            failed: Mutex::new(None),
             // The default lease_safety_margin (2 s) and twice the default operation_timeout.
             progress: Progress::new(
                 poll_interval
@@ -76,19 +77,13 @@ impl Health {
 
     /// An essential task ended or panicked: `/healthz` and `/readyz` are 503 from now on.
     pub fn fail(&self, task: &'static str) {
-        let mut failed = match self.failed.lock() {
-            Ok(f) => f,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut failed = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
         failed.get_or_insert(task);
     }
 
     /// The task that failed, if one has.
     pub fn failed_task(&self) -> Option<&'static str> {
-        match self.failed.lock() {
-            Ok(f) => *f,
-            Err(poisoned) => *poisoned.into_inner(),
-        }
+        *self.failed.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The dispatch loop handled a failure and will try again after `wait`: it is not

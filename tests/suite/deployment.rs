@@ -50,7 +50,7 @@ fn systemd_unit_verifies_and_outlasts_the_drain() {
 
     // systemd must not kill a drain that timeoutd itself bounds.
     let d = Config::default().dispatch;
-    let drain = d.shutdown_timeout + timeoutd::cli::daemon::SHUTDOWN_GRACE;
+    let drain = d.shutdown_timeout + timeoutd::service::shutdown::GRACE;
     assert!(unit_seconds(&unit, "TimeoutStopSec") > drain);
     // The watchdog must allow the three poll intervals that /healthz allows.
     assert!(unit_seconds(&unit, "WatchdogSec") > d.poll_interval * 3);
@@ -532,14 +532,14 @@ fn kubernetes_grace_and_probes_match_the_daemon() {
     // Kubernetes must not SIGKILL a drain that timeoutd itself bounds.
     let config = Config::from_toml(&configmap_toml())
         .unwrap_or_else(|e| panic!("the ConfigMap's timeoutd.toml: {e}"));
-    let drain = config.dispatch.shutdown_timeout + timeoutd::cli::daemon::SHUTDOWN_GRACE;
+    let drain = config.dispatch.shutdown_timeout + timeoutd::service::shutdown::GRACE;
     let grace = Duration::from_secs(pod.termination_grace_period_seconds);
     assert!(
         grace > drain,
         "terminationGracePeriodSeconds {grace:?} <= drain {drain:?}"
     );
     let defaults = Config::default().dispatch;
-    assert!(grace > defaults.shutdown_timeout + timeoutd::cli::daemon::SHUTDOWN_GRACE);
+    assert!(grace > defaults.shutdown_timeout + timeoutd::service::shutdown::GRACE);
 
     // Probes: liveness and startup on /healthz, readiness on /readyz, on the metrics port,
     // which is the port the ConfigMap's [http] listen binds.

@@ -15,10 +15,10 @@ use common::proxy::{Mode, Proxy, host_port};
 use common::*;
 use uuid::Uuid;
 
-/// `shutdown_timeout` + `SHUTDOWN_GRACE` (the bound docs/guarantees.md promises) plus a margin for the process
+/// `shutdown_timeout` + `shutdown::GRACE` (the bound docs/guarantees.md promises) plus a margin for the process
 /// to start exiting and the test to see it: still running after that is a failure.
 fn exit_bound(shutdown_timeout: Duration) -> Duration {
-    shutdown_timeout + timeoutd::cli::daemon::SHUTDOWN_GRACE + Duration::from_secs(3)
+    shutdown_timeout + timeoutd::service::shutdown::GRACE + Duration::from_secs(3)
 }
 
 fn with_failpoints(env: &TestEnv, c: &timeoutd::config::Config, fp: &str) -> Vec<(String, String)> {
