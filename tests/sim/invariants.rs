@@ -532,7 +532,6 @@ impl Checker {
                     server_ms - from
                 );
                 self.fail(at_ms, "late", d);
-                return;
             }
         }
         let Some(info) = self.records.get(record) else {
