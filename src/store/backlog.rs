@@ -63,8 +63,7 @@ impl Store {
             .query(
                 self.coll
                     .count_documents(lease::except(claimable, &paused))
-                    .limit(count_limit(up_to))
-                    .max_time(self.server_limit()),
+                    .limit(count_limit(up_to)),
             )
             .await?;
         let paused_due = match paused.is_empty() {
@@ -77,8 +76,7 @@ impl Store {
                 self.query(
                     self.coll
                         .count_documents(of_paused)
-                        .limit(count_limit(up_to))
-                        .max_time(self.server_limit()),
+                        .limit(count_limit(up_to)),
                 )
                 .await?
             }
@@ -120,8 +118,7 @@ impl Store {
                 self.coll
                     .find_one(filter)
                     .sort(shape.sort())
-                    .projection(doc! { field::ID: 1, field::TIME: 1 })
-                    .max_time(self.server_limit()),
+                    .projection(doc! { field::ID: 1, field::TIME: 1 }),
             )
             .await?;
         Ok(first.map(|d| {
@@ -136,7 +133,7 @@ fn count_limit(up_to: u64) -> i64 {
     i64::try_from(up_to).unwrap_or(i64::MAX)
 }
 
-fn age_seconds(now: DateTime, due: DateTime) -> f64 {
+pub(crate) fn age_seconds(now: DateTime, due: DateTime) -> f64 {
     let age_ms = now
         .timestamp_millis()
         .saturating_sub(due.timestamp_millis());

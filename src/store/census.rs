@@ -98,6 +98,11 @@ pub fn odd_locked_filter() -> Document {
 }
 
 impl Store {
+    /// How many records of the timeouts collection `filter` matches.
+    pub(crate) async fn count(&self, filter: Document) -> Result<u64, StoreError> {
+        self.query(self.coll.count_documents(filter)).await
+    }
+
     /// The filter of records no branch of the due query will ever match.
     fn unschedulable_filter(&self) -> Document {
         doc! { "$nor": [due::schedulable(self.encoding)] }
@@ -114,49 +119,36 @@ impl Store {
                 .query(
                     self.coll
                         .find_one(shape.due_between(None, now))
-                        .sort(shape.sort())
-                        .max_time(self.server_limit()),
+                        .sort(shape.sort()),
                 )
                 .await?;
             if let Some(due) = first.and_then(|d| TimeoutRecord::decode_due(&d, self.encoding)) {
                 oldest = Some(oldest.map_or(due, |o| o.min(due)));
             }
         }
-        Ok(oldest.map(|due| {
-            let age_ms = now
-                .timestamp_millis()
-                .saturating_sub(due.timestamp_millis());
-            age_ms.max(0) as f64 / 1000.0
-        }))
+        Ok(oldest.map(|due| crate::store::backlog::age_seconds(now, due)))
     }
 
     /// Counts for operators.
     pub async fn stats(&self) -> Result<Stats, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
-        let count = |filter: Document| {
-            self.query(
-                self.coll
-                    .count_documents(filter)
-                    .max_time(self.server_limit()),
-            )
-        };
         let not_due = lease::all_of([
             lease::due_after(now, &shapes),
             doc! { field::LOCKED: false },
         ]);
         let parking = self.parking();
         let (due, pending, leased, expired, stuck, unschedulable, parked, retrying) = tokio::try_join!(
-            count(lease::due_filter(now, &shapes)),
-            count(not_due),
-            count(lease::held_any(now)),
-            count(lease::expired(now)),
-            count(lease::stuck()),
-            count(self.unschedulable_filter()),
+            self.count(lease::due_filter(now, &shapes)),
+            self.count(not_due),
+            self.count(lease::held_any(now)),
+            self.count(lease::expired(now)),
+            self.count(lease::stuck()),
+            self.count(self.unschedulable_filter()),
             parking.count(),
             parking.count_retrying(),
         )?;
-        let odd_locked = count(odd_locked_filter()).await?;
+        let odd_locked = self.count(odd_locked_filter()).await?;
         let oldest_due_age_seconds = self.oldest_due_age(now, &shapes).await?;
         Ok(Stats {
             pending,
@@ -176,18 +168,11 @@ impl Store {
     /// once, and warns (at most every [`FOREIGN_WARNING_EVERY`]) when records are locked as
     /// timeoutd never locks them: another dispatcher is claiming in this collection.
     pub async fn census(&self, state: &CensusState) -> Result<Census, StoreError> {
-        let count = |filter: Document| {
-            self.query(
-                self.coll
-                    .count_documents(filter)
-                    .max_time(self.server_limit()),
-            )
-        };
         let (unschedulable, stuck_locks, foreign_locks, odd_locked) = tokio::try_join!(
-            count(self.unschedulable_filter()),
-            count(lease::stuck()),
-            count(lease::foreign_locks()),
-            count(odd_locked_filter()),
+            self.count(self.unschedulable_filter()),
+            self.count(lease::stuck()),
+            self.count(lease::foreign_locks()),
+            self.count(odd_locked_filter()),
         )?;
         if unschedulable > 0 {
             self.name_unschedulable(state).await?;
@@ -258,8 +243,7 @@ impl Store {
                 self.coll
                     .find(filter)
                     .projection(doc! { field::ID: 1, shown: 1, field::DESTINATION: 1 })
-                    .limit(NAMED_PER_CENSUS)
-                    .max_time(self.server_limit()),
+                    .limit(NAMED_PER_CENSUS),
             )
             .await?;
         let mut named = locked(&state.named);
@@ -287,8 +271,7 @@ impl Store {
                 self.coll
                     .find(lease::stuck())
                     .projection(doc! { field::ID: 1 })
-                    .limit(STUCK_TRACKED)
-                    .max_time(self.server_limit()),
+                    .limit(STUCK_TRACKED),
             )
             .await?;
         let now = Instant::now();

@@ -241,7 +241,6 @@ impl ClaimPath {
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
-                .max_time(self.store.server_limit())
         });
         // Each record with its due instant, when its `Time` decodes. A record the decoder
         // rejects still joins the batch (to be parked), at the end of the range it matched.
@@ -401,7 +400,6 @@ impl ClaimPath {
         let docs: Vec<Document> = store
             .coll
             .find(lease::held_many(candidates, lease.owner, store.clock.now()))
-            .max_time(self.store.server_limit())
             .await?;
         let mut rows: Vec<ClaimedRow> = docs
             .into_iter()

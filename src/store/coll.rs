@@ -1,6 +1,7 @@
 //! One collection over the [`Backend`]: the driver's call style (`coll.find(filter)
-//! .projection(..).limit(..).max_time(..).await`), each call built as one [`Op`] and run by
-//! the backend when awaited. Cheap to clone.
+//! .projection(..).limit(..).await`), each call built as one [`Op`] and run by the backend
+//! when awaited. Every read carries the collection's `maxTimeMS` ([`Coll::new`]): no call
+//! site can forget it. Cheap to clone.
 
 use std::fmt;
 use std::future::IntoFuture;
@@ -17,6 +18,8 @@ use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Writte
 pub struct Coll {
     backend: Arc<dyn Backend>,
     name: Arc<str>,
+    /// The `maxTimeMS` of every read ([`crate::store::Store::server_limit`]).
+    max_time: Duration,
 }
 
 impl fmt::Debug for Coll {
@@ -26,10 +29,12 @@ impl fmt::Debug for Coll {
 }
 
 impl Coll {
-    pub fn new(backend: Arc<dyn Backend>, name: &str) -> Self {
+    /// `name` of the backend's database, its reads under `maxTimeMS` = `max_time`.
+    pub fn new(backend: Arc<dyn Backend>, name: &str, max_time: Duration) -> Self {
         Self {
             backend,
             name: Arc::from(name),
+            max_time,
         }
     }
 
@@ -43,6 +48,11 @@ impl Coll {
         &self.backend
     }
 
+    /// The `maxTimeMS` of its reads, for the commands that read it (`listIndexes`, `count`).
+    pub fn max_time_ms(&self) -> i64 {
+        crate::store::max_time_ms(self.max_time)
+    }
+
     fn call<T>(&self, op: Op, reply: fn(Reply) -> Option<T>) -> Call<T> {
         Call {
             backend: self.backend.clone(),
@@ -54,7 +64,7 @@ impl Coll {
 
     /// The matching documents.
     pub fn find(&self, filter: Document) -> Call<Vec<Document>> {
-        self.call(find(filter, None), |r| match r {
+        self.call(self.find_op(filter, None), |r| match r {
             Reply::Docs(d) => Some(d),
             _ => None,
         })
@@ -62,7 +72,7 @@ impl Coll {
 
     /// The first matching document.
     pub fn find_one(&self, filter: Document) -> Call<Option<Document>> {
-        self.call(find(filter, Some(1)), |r| match r {
+        self.call(self.find_op(filter, Some(1)), |r| match r {
             Reply::Docs(d) => Some(d.into_iter().next()),
             _ => None,
         })
@@ -73,7 +83,7 @@ impl Coll {
         let op = Op::Count {
             filter,
             limit: None,
-            max_time: None,
+            max_time: Some(self.max_time),
         };
         self.call(op, |r| match r {
             Reply::Count(n) => Some(n),
@@ -86,7 +96,7 @@ impl Coll {
         let op = Op::Distinct {
             field: field.to_owned(),
             filter,
-            max_time: None,
+            max_time: Some(self.max_time),
         };
         self.call(op, |r| match r {
             Reply::Values(v) => Some(v),
@@ -133,7 +143,7 @@ impl Coll {
             sort: None,
             upsert: false,
             return_new: false,
-            max_time: None,
+            max_time: Some(self.max_time),
         };
         self.call(op, |r| match r {
             Reply::Doc(d) => Some(d),
@@ -173,22 +183,22 @@ impl Coll {
         )
     }
 
+    fn find_op(&self, filter: Document, limit: Option<i64>) -> Op {
+        Op::Find {
+            filter,
+            projection: None,
+            sort: None,
+            limit,
+            max_time: Some(self.max_time),
+        }
+    }
+
     /// A change stream of the collection, filtered by `pipeline`: raw change events.
     pub fn watch(
         &self,
         pipeline: Vec<Document>,
     ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
         self.backend.watch(&self.name, pipeline)
-    }
-}
-
-fn find(filter: Document, limit: Option<i64>) -> Op {
-    Op::Find {
-        filter,
-        projection: None,
-        sort: None,
-        limit,
-        max_time: None,
     }
 }
 
@@ -244,18 +254,6 @@ impl<T> Call<T> {
         match &mut self.op {
             Op::Find { limit, .. } => *limit = Some(n),
             Op::Count { limit, .. } => *limit = Some(u64::try_from(n).unwrap_or(0)),
-            _ => {}
-        }
-        self
-    }
-
-    /// `maxTimeMS`.
-    pub fn max_time(mut self, t: Duration) -> Self {
-        match &mut self.op {
-            Op::Find { max_time, .. }
-            | Op::Count { max_time, .. }
-            | Op::Distinct { max_time, .. }
-            | Op::FindOneAndUpdate { max_time, .. } => *max_time = Some(t),
             _ => {}
         }
         self

@@ -246,13 +246,8 @@ impl Store {
     }
 
     async fn control_docs(&self, kind: &str) -> Result<Vec<Document>, StoreError> {
-        self.query(
-            self.control
-                .find(doc! { "kind": kind })
-                .limit(10_000)
-                .max_time(self.server_limit()),
-        )
-        .await
+        self.query(self.control.find(doc! { "kind": kind }).limit(10_000))
+            .await
     }
 
     /// What every instance obeys now.
@@ -306,15 +301,9 @@ impl Store {
                 crate::store::lease::due_by(now, &shapes),
                 mine.clone(),
             ]);
-            let limit = self.server_limit();
-            let due = self
-                .query(self.coll.count_documents(due).max_time(limit))
-                .await?;
+            let due = self.count(due).await?;
             let all = match total {
-                true => Some(
-                    self.query(self.coll.count_documents(mine).max_time(limit))
-                        .await?,
-                ),
+                true => Some(self.count(mine).await?),
                 false => None,
             };
             out.push((p, due, all));

@@ -140,12 +140,7 @@ impl Store {
     /// The records `selector` names, as stored. Unknown ids are bad input.
     async fn select(&self, selector: &Selector) -> Result<Vec<Document>, OpsError> {
         let docs: Vec<Document> = self
-            .query(
-                self.coll
-                    .find(selector.filter())
-                    .limit(MAX_SELECTED)
-                    .max_time(self.server_limit()),
-            )
+            .query(self.coll.find(selector.filter()).limit(MAX_SELECTED))
             .await?;
         match selector {
             Selector::Ids(ids) => {
@@ -275,11 +270,7 @@ impl Store {
                 continue;
             }
             let current = self
-                .query(
-                    self.coll
-                        .find_one(doc! { field::ID: id })
-                        .max_time(self.server_limit()),
-                )
+                .query(self.coll.find_one(doc! { field::ID: id }))
                 .await?;
             outcomes.push(match current {
                 Some(c) => outcome(self, &c, now, "left_leased", None),
@@ -294,10 +285,7 @@ impl Store {
         &self,
         ids: &[Bson],
     ) -> Result<Vec<Document>, crate::store::backend::MongoError> {
-        self.coll
-            .find(doc! { field::ID: { "$in": ids } })
-            .max_time(self.server_limit())
-            .await
+        self.coll.find(doc! { field::ID: { "$in": ids } }).await
     }
 }
 

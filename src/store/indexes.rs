@@ -70,9 +70,7 @@ impl Store {
     /// index made redundant that way (created before v7's appeared) is to be dropped; no
     /// index timeoutd did not create is ever touched.
     pub async fn index_plan(&self) -> Result<IndexPlan, StoreError> {
-        let existing = self
-            .query(list_indexes(&self.coll, self.server_limit()))
-            .await?;
+        let existing = self.query(list_indexes(&self.coll)).await?;
         let served = |first: &str, ours: &str| {
             existing
                 .iter()
@@ -167,12 +165,8 @@ impl Store {
         let Some((other, theirs)) = &self.other_spelling else {
             return;
         };
-        let ours = self
-            .query(estimated_count(&self.coll, self.server_limit()))
-            .await;
-        let theirs = self
-            .query(estimated_count(theirs, self.server_limit()))
-            .await;
+        let ours = self.query(estimated_count(&self.coll)).await;
+        let theirs = self.query(estimated_count(theirs)).await;
         if let (Ok(0), Ok(n)) = (ours, theirs)
             && n > 0
         {
@@ -218,12 +212,8 @@ fn namespace_not_found(e: &MongoError) -> bool {
 /// the collection does not exist. Any other error is an error: read as "no index", it made
 /// every round after a transient failure create indexes beside v7's that serve the same
 /// queries (and the plan never drops an index it did not find).
-pub(crate) async fn list_indexes(
-    coll: &Coll,
-    limit: Duration,
-) -> Result<Vec<(String, Document)>, MongoError> {
-    let command =
-        doc! { "listIndexes": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+pub(crate) async fn list_indexes(coll: &Coll) -> Result<Vec<(String, Document)>, MongoError> {
+    let command = doc! { "listIndexes": coll.name(), "maxTimeMS": coll.max_time_ms() };
     let reply = match coll.backend().command(command).await {
         Ok(reply) => reply,
         Err(e) if namespace_not_found(&e) => return Ok(Vec::new()),
@@ -252,8 +242,8 @@ pub(crate) async fn list_indexes(
 
 /// The estimated count of `coll` (the `count` command, as the driver's
 /// `estimated_document_count` sends it); 0 when it does not exist.
-async fn estimated_count(coll: &Coll, limit: Duration) -> Result<u64, MongoError> {
-    let command = doc! { "count": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+async fn estimated_count(coll: &Coll) -> Result<u64, MongoError> {
+    let command = doc! { "count": coll.name(), "maxTimeMS": coll.max_time_ms() };
     match coll.backend().command(command).await {
         Ok(reply) => Ok(match reply.get("n") {
             Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),

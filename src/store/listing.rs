@@ -230,8 +230,7 @@ impl Store {
                 .coll
                 .find(doc! { "$and": all })
                 .sort(shape.sort())
-                .limit(i64::from(limit))
-                .max_time(self.server_limit());
+                .limit(i64::from(limit));
             find.into_future()
         });
         let found = self.query(futures::future::try_join_all(reads)).await?;
@@ -276,8 +275,7 @@ impl Store {
                 self.attempts
                     .find(doc! {})
                     .projection(doc! { field::ID: 1 })
-                    .limit(i64::from(MAX_LIMIT))
-                    .max_time(self.server_limit()),
+                    .limit(i64::from(MAX_LIMIT)),
             )
             .await?;
         Ok(crate::record::ids_of(docs))
@@ -292,8 +290,7 @@ impl Store {
             .query(
                 self.attempts
                     .find(doc! { field::ID: { "$in": ids } })
-                    .projection(doc! { field::ID: 1 })
-                    .max_time(self.server_limit()),
+                    .projection(doc! { field::ID: 1 }),
             )
             .await?;
         Ok(crate::record::ids_of(docs)
@@ -322,8 +319,7 @@ impl Store {
                 self.parked
                     .find(doc! { "$and": clauses })
                     .sort(doc! { PARKED_AT: 1 })
-                    .limit(i64::from(limit))
-                    .max_time(self.server_limit()),
+                    .limit(i64::from(limit)),
             )
             .await?;
         let now = self.clock.now();

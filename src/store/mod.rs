@@ -105,10 +105,11 @@ impl Store {
             driver.write_concern().cloned(),
             driver.selection_criteria().cloned(),
         );
+        let limit = server_limit(config.operation_timeout);
         let other_spelling = other_spelling(&config.database).map(|other| {
             let db = driver.database().client().database(other);
             let backend: Arc<dyn Backend> = Arc::new(crate::store::driver::Driver::new(db));
-            (other, Coll::new(backend, &config.collection))
+            (other, Coll::new(backend, &config.collection, limit))
         });
         let mut store = Self::with_backend(Arc::new(driver), config, clock);
         store.write_concern = write_concern;
@@ -123,7 +124,8 @@ impl Store {
         config: &MongoConfig,
         clock: ServerClock,
     ) -> Self {
-        let coll = |name: &str| Coll::new(backend.clone(), name);
+        let limit = server_limit(config.operation_timeout);
+        let coll = |name: &str| Coll::new(backend.clone(), name, limit);
         Self {
             coll: coll(&config.collection),
             parked: coll(&config.parked_collection()),
@@ -200,7 +202,6 @@ impl Store {
             self.parked.clone(),
             self.attempts.clone(),
             self.clock.clone(),
-            self.server_limit(),
         )
     }
 
@@ -226,11 +227,7 @@ impl Store {
     /// The deadline every read carries to the server (`maxTimeMS`): `[mongodb]
     /// operation_timeout`, so that a query timeoutd gave up on stops there too.
     pub fn server_limit(&self) -> Duration {
-        // The largest maxTimeMS a server takes (an int32 of milliseconds), about 24.8 days.
-        self.op_timeout.clamp(
-            Duration::from_millis(1),
-            Duration::from_millis(i32::MAX as u64),
-        )
+        server_limit(self.op_timeout)
     }
 
     /// `[mongodb] operation_timeout`.
@@ -351,7 +348,6 @@ impl Store {
             .coll
             .find(doc! { field::ID: { "$in": ids } })
             .projection(doc! { field::ID: 1 })
-            .max_time(self.server_limit())
             .await?;
         Ok(crate::record::ids_of(docs))
     }
@@ -386,7 +382,6 @@ impl Store {
             .find(lease::expired(now))
             .projection(doc! { field::ID: 1 })
             .limit(REAP_BATCH)
-            .max_time(self.server_limit())
             .await?;
         let ids = crate::record::ids_of(expired);
         if ids.is_empty() {
@@ -451,6 +446,15 @@ fn other_spelling(database: &str) -> Option<&'static str> {
         LEASE_ERA_DATABASE => Some(PUBLIC_DATABASE),
         _ => None,
     }
+}
+
+/// [`Store::server_limit`] for `operation_timeout`, within the largest `maxTimeMS` a server
+/// takes (an int32 of milliseconds, about 24.8 days).
+fn server_limit(operation_timeout: Duration) -> Duration {
+    operation_timeout.clamp(
+        Duration::from_millis(1),
+        Duration::from_millis(i32::MAX as u64),
+    )
 }
 
 /// `maxTimeMS` for a limit: whole milliseconds, at least 1 (0 would mean no limit).

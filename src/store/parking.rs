@@ -124,24 +124,15 @@ pub struct Parking {
     parked: Coll,
     attempts: Coll,
     clock: ServerClock,
-    /// The `maxTimeMS` of its reads ([`crate::store::Store::server_limit`]).
-    server_limit: Duration,
 }
 
 impl Parking {
-    pub(crate) fn new(
-        timeouts: Coll,
-        parked: Coll,
-        attempts: Coll,
-        clock: ServerClock,
-        server_limit: Duration,
-    ) -> Self {
+    pub(crate) fn new(timeouts: Coll, parked: Coll, attempts: Coll, clock: ServerClock) -> Self {
         Self {
             timeouts,
             parked,
             attempts,
             clock,
-            server_limit,
         }
     }
 
@@ -179,7 +170,6 @@ impl Parking {
             .timeouts
             .find_one(lease::held_one(id, owner, now))
             .projection(doc! { field::ID: 1 })
-            .max_time(self.server_limit)
             .await?;
         if held.is_none() {
             return Ok(None);
@@ -200,7 +190,6 @@ impl Parking {
             )
             .upsert(true)
             .return_new(true)
-            .max_time(self.server_limit)
             .await?;
         let n = after
             .and_then(|d| match d.get(attempt_field::ATTEMPTS) {
@@ -300,28 +289,19 @@ impl Parking {
             .parked
             .find(doc! {})
             .sort(doc! { parked_field::PARKED_AT: 1 })
-            .max_time(self.server_limit)
             .await?;
         Ok(docs.iter().map(to_listed).collect())
     }
 
     /// How many records are parked.
     pub async fn count(&self) -> Result<u64, StoreError> {
-        Ok(self
-            .parked
-            .count_documents(doc! {})
-            .max_time(self.server_limit)
-            .await?)
+        Ok(self.parked.count_documents(doc! {}).await?)
     }
 
     /// How many records have failed sends counted (retrying, or sent in the end and not yet
     /// cleared by the TTL monitor).
     pub async fn count_retrying(&self) -> Result<u64, StoreError> {
-        Ok(self
-            .attempts
-            .count_documents(doc! {})
-            .max_time(self.server_limit)
-            .await?)
+        Ok(self.attempts.count_documents(doc! {}).await?)
     }
 
     /// Finds the parked `_id` that `shown` names (as `parked list` prints it).
@@ -331,7 +311,6 @@ impl Parking {
             if self
                 .parked
                 .find_one(doc! { field::ID: id.clone() })
-                .max_time(self.server_limit)
                 .await?
                 .is_some()
             {
@@ -350,12 +329,7 @@ impl Parking {
     /// resets its count. The insert comes first, so a crash leaves two copies, not none.
     /// `None` if no such record is parked.
     pub async fn requeue(&self, id: &Bson) -> Result<Option<Requeued>, StoreError> {
-        let Some(parked) = self
-            .parked
-            .find_one(doc! { field::ID: id.clone() })
-            .max_time(self.server_limit)
-            .await?
-        else {
+        let Some(parked) = self.parked.find_one(doc! { field::ID: id.clone() }).await? else {
             return Ok(None);
         };
         self.requeue_parked(&parked).await.map(Some)
@@ -412,7 +386,6 @@ impl Parking {
             .find(doc! {})
             .sort(doc! { parked_field::PARKED_AT: 1 })
             .projection(doc! { field::ID: 1 })
-            .max_time(self.server_limit)
             .await?;
         Ok(crate::record::ids_of(docs))
     }

@@ -260,8 +260,7 @@ async fn probe_finds_new(
                 store
                     .coll
                     .find_one(doc! { field::TIME_OFFSET: { "$in": unseen_offsets(&seen) } })
-                    .projection(doc! { field::ID: 1 })
-                    .max_time(store.server_limit()),
+                    .projection(doc! { field::ID: 1 }),
             )
             .await?;
         return Ok(new_offset.is_some());
@@ -307,7 +306,6 @@ async fn any_date(store: &Store) -> Result<bool, StoreError> {
                 .coll
                 .find_one(any_date_filter())
                 .projection(doc! { field::ID: 1 })
-                .max_time(store.server_limit())
                 .await
         })
         .await?;
@@ -349,7 +347,6 @@ async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreErro
                 store
                     .coll
                     .distinct(field::TIME_OFFSET, Document::new())
-                    .max_time(store.server_limit())
                     .await
             })
             .await?;

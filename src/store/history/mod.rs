@@ -216,10 +216,8 @@ pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
 impl Store {
     /// The history collection: `<collection>_history`.
     pub fn history(&self) -> Coll {
-        Coll::new(
-            self.backend.clone(),
-            &format!("{}_history", self.coll.name()),
-        )
+        let name = format!("{}_history", self.coll.name());
+        Coll::new(self.backend.clone(), &name, self.server_limit())
     }
 
     /// The TTL index on the send time (`keep`; an existing index with another expiry is
@@ -316,7 +314,6 @@ impl Store {
             .attempts
             .find(doc! { "_id": { "$in": ids } })
             .projection(doc! { "attempts": 1 })
-            .max_time(self.server_limit())
             .await?;
         Ok(counted
             .iter()

@@ -91,8 +91,7 @@ impl Store {
                 self.history()
                     .find(filter)
                     .sort(doc! { field::AT: -1 })
-                    .limit(f.limit)
-                    .max_time(self.server_limit()),
+                    .limit(f.limit),
             )
             .await?;
         Ok(docs.iter().map(Entry::from_doc).collect())
