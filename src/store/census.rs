@@ -266,21 +266,13 @@ impl Store {
         state: &CensusState,
         lease_len: Duration,
     ) -> Result<u64, StoreError> {
-        let docs: Vec<Document> = self
-            .query(
-                self.coll
-                    .find(lease::stuck())
-                    .projection(doc! { field::ID: 1 })
-                    .limit(STUCK_TRACKED),
-            )
-            .await?;
+        let ids = self.coll.find_ids(lease::stuck()).limit(STUCK_TRACKED);
+        let ids = self.query(ids).await?;
         let now = Instant::now();
         let old: Vec<Bson> = {
             let mut since = locked(&state.stuck_since);
-            let current: HashMap<String, Bson> = crate::record::ids_of(docs)
-                .into_iter()
-                .map(|id| (key_of(&id), id))
-                .collect();
+            let current: HashMap<String, Bson> =
+                ids.into_iter().map(|id| (key_of(&id), id)).collect();
             since.retain(|k, _| current.contains_key(k));
             for (k, id) in current {
                 since.entry(k).or_insert((id, now));

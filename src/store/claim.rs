@@ -112,14 +112,6 @@ struct Unclaimed {
 }
 
 impl Unclaimed {
-    fn new(store: &Store, ids: &[Bson], owner: uuid::Uuid) -> Self {
-        Self {
-            store: store.clone(),
-            ids: ids.to_vec(),
-            owner,
-        }
-    }
-
     /// The rows are the caller's now.
     fn handed_over(&mut self) {
         self.ids.clear();
@@ -324,7 +316,11 @@ impl ClaimPath {
         let horizon = if all_due { now } else { horizon };
         // From here until the rows are handed over, records may be leased to this owner: if
         // this future is dropped (its caller's deadline) or fails, they are freed at once.
-        let mut unclaimed = Unclaimed::new(store, &candidates, lease.owner);
+        let mut unclaimed = Unclaimed {
+            store: store.clone(),
+            ids: candidates.clone(),
+            owner: lease.owner,
+        };
         let taken = Store::timed(
             "claim",
             store

@@ -78,6 +78,15 @@ impl Coll {
         })
     }
 
+    /// The `_id`s of the matching documents.
+    pub fn find_ids(&self, filter: Document) -> Call<Vec<Bson>> {
+        let ids = self.call(self.find_op(filter, None), |r| match r {
+            Reply::Docs(d) => Some(crate::record::ids_of(d)),
+            _ => None,
+        });
+        ids.projection(bson::doc! { "_id": 1 })
+    }
+
     /// How many documents match (`countDocuments`).
     pub fn count_documents(&self, filter: Document) -> Call<u64> {
         let op = Op::Count {

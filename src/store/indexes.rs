@@ -123,10 +123,10 @@ impl Store {
     /// Drops timeoutd's own indexes that another index made redundant.
     async fn drop_redundant(&self, redundant: &[&'static str]) {
         for name in redundant {
-            let drop = self.run_command(self.command(doc! {
+            let drop = self.command(doc! {
                 "dropIndexes": self.coll.name(),
                 "index": *name,
-            }));
+            });
             match crate::deadline::within(self.op_timeout, "drop an index", drop).await {
                 Ok(_) => {
                     tracing::info!(

@@ -218,7 +218,9 @@ impl Store {
             Some(State::Leased) => clauses.push(lease::held_any(now)),
             Some(State::Retrying) => {
                 clauses.push(lease::held_any(now));
-                let ids = self.retrying_ids().await?;
+                // The `_id`s with failed sends counted (at most [`MAX_LIMIT`] of them).
+                let counted = self.attempts.find_ids(doc! {});
+                let ids = self.query(counted.limit(i64::from(MAX_LIMIT))).await?;
                 clauses.push(doc! { field::ID: { "$in": ids } });
             }
             _ => {}
@@ -249,7 +251,15 @@ impl Store {
             .iter()
             .filter_map(|(_, d)| d.get(field::ID).cloned())
             .collect();
-        let retrying = self.with_attempts(&ids).await?;
+        // Of the rows, those with failed sends counted, keyed by their debug form.
+        let counted = match ids.is_empty() {
+            true => Vec::new(),
+            false => {
+                let counted = self.attempts.find_ids(doc! { field::ID: { "$in": ids } });
+                self.query(counted).await?
+            }
+        };
+        let retrying: HashSet<String> = counted.iter().map(|id| format!("{id:?}")).collect();
         let rows = docs
             .iter()
             .map(|(_, d)| {
@@ -266,37 +276,6 @@ impl Store {
             })
             .collect();
         Ok(rows)
-    }
-
-    /// The `_id`s with failed sends counted (at most [`MAX_LIMIT`] of them).
-    async fn retrying_ids(&self) -> Result<Vec<Bson>, StoreError> {
-        let docs: Vec<Document> = self
-            .query(
-                self.attempts
-                    .find(doc! {})
-                    .projection(doc! { field::ID: 1 })
-                    .limit(i64::from(MAX_LIMIT)),
-            )
-            .await?;
-        Ok(crate::record::ids_of(docs))
-    }
-
-    /// Of `ids`, those with failed sends counted, keyed by their debug form.
-    async fn with_attempts(&self, ids: &[Bson]) -> Result<HashSet<String>, StoreError> {
-        if ids.is_empty() {
-            return Ok(HashSet::new());
-        }
-        let docs: Vec<Document> = self
-            .query(
-                self.attempts
-                    .find(doc! { field::ID: { "$in": ids } })
-                    .projection(doc! { field::ID: 1 }),
-            )
-            .await?;
-        Ok(crate::record::ids_of(docs)
-            .iter()
-            .map(|id| format!("{id:?}"))
-            .collect())
     }
 
     /// Parked records as `list` shows them, oldest parked first.

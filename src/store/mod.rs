@@ -101,13 +101,10 @@ impl Store {
     /// the first round trip.
     pub async fn connect(config: &MongoConfig, clock: ServerClock) -> Result<Self, StoreError> {
         let driver = crate::store::driver::Driver::connect(config).await?;
-        let (write_concern, selection) = (
-            driver.write_concern().cloned(),
-            driver.selection_criteria().cloned(),
-        );
+        let (write_concern, selection) = (driver.write_concern.clone(), driver.selection.clone());
         let limit = server_limit(config.operation_timeout);
         let other_spelling = other_spelling(&config.database).map(|other| {
-            let db = driver.database().client().database(other);
+            let db = driver.db.client().database(other);
             let backend: Arc<dyn Backend> = Arc::new(crate::store::driver::Driver::new(db));
             (other, Coll::new(backend, &config.collection, limit))
         });
@@ -235,14 +232,10 @@ impl Store {
         self.op_timeout
     }
 
-    /// A database command with its `maxTimeMS` ([`Store::server_limit`]).
-    fn command(&self, mut command: Document) -> Document {
+    /// Runs one database command with its `maxTimeMS` ([`Store::server_limit`]); no deadline
+    /// of its own: callers bound it.
+    async fn command(&self, mut command: Document) -> Result<Document, StoreError> {
         command.insert("maxTimeMS", max_time_ms(self.server_limit()));
-        command
-    }
-
-    /// Runs one database command (no deadline of its own: callers bound it).
-    async fn run_command(&self, command: Document) -> Result<Document, StoreError> {
         Ok(self.backend.command(command).await?)
     }
 
@@ -284,7 +277,7 @@ impl Store {
     /// The settings that would let a failover undo a lease write or a read miss one, on the
     /// deployment the server describes (see [`crate::store::durability`]).
     pub async fn durability_risks(&self) -> Result<Vec<String>, StoreError> {
-        let hello = self.run_command(self.command(doc! { "hello": 1 })).await?;
+        let hello = self.command(doc! { "hello": 1 }).await?;
         Ok(crate::store::durability::risks(
             &hello,
             self.write_concern.as_ref(),
@@ -294,9 +287,7 @@ impl Store {
 
     /// The server's version, from `buildInfo` (no deadline of its own: callers bound it).
     pub async fn server_version(&self) -> Result<String, StoreError> {
-        let reply = self
-            .run_command(self.command(doc! { "buildInfo": 1 }))
-            .await?;
+        let reply = self.command(doc! { "buildInfo": 1 }).await?;
         Ok(reply.get_str("version").unwrap_or("unknown").to_string())
     }
 
@@ -312,7 +303,7 @@ impl Store {
         )> = None;
         for _ in 0..3 {
             let sent = tokio::time::Instant::now();
-            let reply = self.run_command(self.command(doc! { "hello": 1 })).await?;
+            let reply = self.command(doc! { "hello": 1 }).await?;
             let received = tokio::time::Instant::now();
             let server = *reply
                 .get_datetime("localTime")
@@ -344,12 +335,10 @@ impl Store {
 
     /// Of `ids`, those still in the collection (to name the lost leases after a short delete).
     pub async fn existing(&self, ids: &[Bson]) -> Result<Vec<Bson>, StoreError> {
-        let docs: Vec<Document> = self
+        Ok(self
             .coll
-            .find(doc! { field::ID: { "$in": ids } })
-            .projection(doc! { field::ID: 1 })
-            .await?;
-        Ok(crate::record::ids_of(docs))
+            .find_ids(doc! { field::ID: { "$in": ids } })
+            .await?)
     }
 
     /// Frees those of `ids` that `owner` still holds; returns how many.
@@ -377,13 +366,8 @@ impl Store {
     /// `maxTimeMS` and kept running on a slow server after the reaper gave up on it.)
     pub async fn reap(&self) -> Result<u64, StoreError> {
         let now = self.clock.now();
-        let expired: Vec<Document> = self
-            .coll
-            .find(lease::expired(now))
-            .projection(doc! { field::ID: 1 })
-            .limit(REAP_BATCH)
-            .await?;
-        let ids = crate::record::ids_of(expired);
+        let expired = self.coll.find_ids(lease::expired(now));
+        let ids = expired.limit(REAP_BATCH).await?;
         if ids.is_empty() {
             return Ok(0);
         }
@@ -427,11 +411,6 @@ impl Store {
         )
         .await?;
         Ok(())
-    }
-
-    /// The `Time` shapes the collection holds now, read once ([`crate::store::shapes`]).
-    pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
-        crate::store::shapes::read_now(self).await
     }
 }
 

@@ -381,13 +381,8 @@ impl Parking {
 
     /// Every parked `_id`, oldest first.
     pub async fn all_ids(&self) -> Result<Vec<Bson>, StoreError> {
-        let docs: Vec<Document> = self
-            .parked
-            .find(doc! {})
-            .sort(doc! { parked_field::PARKED_AT: 1 })
-            .projection(doc! { field::ID: 1 })
-            .await?;
-        Ok(crate::record::ids_of(docs))
+        let ids = self.parked.find_ids(doc! {});
+        Ok(ids.sort(doc! { parked_field::PARKED_AT: 1 }).await?)
     }
 
     /// Deletes parked record `id` for good; `false` if it was not parked.

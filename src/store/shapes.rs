@@ -70,7 +70,7 @@ pub enum Shapes {
 impl Shapes {
     /// The shapes the collection holds now, read once (one-shot commands, tests).
     pub async fn read_now(store: &Store) -> Result<Self, StoreError> {
-        Ok(Self::Fixed(read_now(store).await?))
+        Ok(Self::Fixed(store.shapes().await?))
     }
 
     /// The shapes to query now: the last published, after the first learn (waited for).
@@ -236,12 +236,14 @@ impl Learner {
     }
 }
 
-/// The shapes the collection holds now, read once.
-pub async fn read_now(store: &Store) -> Result<Vec<Shape>, StoreError> {
-    if store.encoding == TimeEncoding::Date {
-        return Ok(vec![Shape::Date]);
+impl Store {
+    /// The `Time` shapes the collection holds now, read once.
+    pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
+        if self.encoding == TimeEncoding::Date {
+            return Ok(vec![Shape::Date]);
+        }
+        Ok(Store::timed("shapes", read_shapes(self)).await?.0)
     }
-    Ok(Store::timed("shapes", read_shapes(store)).await?.0)
 }
 
 /// Whether a record of a shape not in `shapes` exists: a date when none is known, or an
