@@ -442,7 +442,7 @@ mod tests {
     async fn claim(docs: Vec<Document>, takes: u64, look_ahead: Duration) -> (Claim, Vec<Op>) {
         let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
         let ops = asked.clone();
-        let backend = Answering(move |op: Op| {
+        let backend = Answering::new(move |op: Op| {
             let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
             let reply = match &op {
                 Op::Find { .. } if ops.is_empty() => Reply::Docs(docs.clone()),

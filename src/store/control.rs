@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::store::backend::ChangeStream;
 use crate::store::indexes::{create_index, index_spec};
-use crate::store::listing::show_instant;
+use crate::store::listing::{date, show_instant, text};
 use crate::store::{Store, StoreError};
 
 /// How long audit entries are kept.
@@ -101,17 +101,7 @@ fn ramp_id(destination: &str) -> String {
 }
 
 fn string(d: &Document, key: &str) -> String {
-    match d.get(key) {
-        Some(Bson::String(s)) => s.clone(),
-        _ => String::new(),
-    }
-}
-
-fn date(d: &Document, key: &str) -> Option<DateTime> {
-    match d.get(key) {
-        Some(Bson::DateTime(t)) => Some(*t),
-        _ => None,
-    }
+    text(d, key).unwrap_or_default()
 }
 
 impl Store {

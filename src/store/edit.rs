@@ -205,7 +205,8 @@ impl Store {
         let filter = lease::all_of([doc! { field::ID: { "$in": &ids } }, lease::claimable(now)]);
         let deleted = self.query(self.coll.delete_many(filter)).await?;
         let still_there = if deleted.deleted < ids.len() as u64 {
-            self.query(self.existing_raw(&ids)).await?
+            let existing = self.coll.find(doc! { field::ID: { "$in": &ids } });
+            self.query(existing).await?
         } else {
             Vec::new()
         };
@@ -278,14 +279,6 @@ impl Store {
             });
         }
         Ok(outcomes)
-    }
-
-    /// Of `ids`, the documents still in the collection.
-    async fn existing_raw(
-        &self,
-        ids: &[Bson],
-    ) -> Result<Vec<Document>, crate::store::backend::MongoError> {
-        self.coll.find(doc! { field::ID: { "$in": ids } }).await
     }
 }
 

@@ -94,15 +94,21 @@ pub fn show_instant(t: DateTime) -> Option<String> {
     t.try_to_rfc3339_string().ok()
 }
 
-/// The lease of a stored document as ServiceConnect and timeoutd write it: `Some(end)` when
-/// locked with an expiry, `Some(None)` when locked without one (another dispatcher's lock),
-/// `None` when free.
-pub fn lock_of(d: &Document) -> Option<Option<DateTime>> {
-    match d.get(field::LOCKED) {
-        Some(Bson::Boolean(true)) => Some(match d.get(field::LOCK_EXPIRES_AT) {
-            Some(Bson::DateTime(t)) => Some(*t),
-            _ => None,
-        }),
+/// A stored field read as hostile: its string, if it is one.
+pub(crate) fn text(d: &Document, key: &str) -> Option<String> {
+    d.get_str(key).ok().map(str::to_string)
+}
+
+/// A stored field read as hostile: its date, if it is one.
+pub(crate) fn date(d: &Document, key: &str) -> Option<DateTime> {
+    d.get_datetime(key).ok().copied()
+}
+
+/// A stored field read as hostile: its integer, of either width.
+pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
+    match d.get(key) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
         _ => None,
     }
 }
@@ -122,9 +128,14 @@ pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> L
     let owner = d
         .get(field::LOCKED_BY)
         .and_then(crate::record::guid::from_bson);
-    let (state, lease_end) = match (is_free(d, now), lock_of(d)) {
-        (false, Some(Some(end))) if retrying => (State::Retrying, Some(end)),
-        (false, Some(Some(end))) => (State::Leased, Some(end)),
+    // Locked with an expiry: timeoutd's lease (locked without one: another dispatcher's).
+    let lease = match d.get(field::LOCKED) {
+        Some(Bson::Boolean(true)) => date(d, field::LOCK_EXPIRES_AT),
+        _ => None,
+    };
+    let (state, lease_end) = match (is_free(d, now), lease) {
+        (false, Some(end)) if retrying => (State::Retrying, Some(end)),
+        (false, Some(end)) => (State::Leased, Some(end)),
         (false, _) => (State::Locked, None),
         (true, _) => match due {
             None => (State::Unschedulable, None),
@@ -138,10 +149,7 @@ pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> L
             .get(field::ID)
             .map(display_id)
             .unwrap_or_else(|| "-".into()),
-        destination: match d.get(field::DESTINATION) {
-            Some(Bson::String(s)) => Some(s.clone()),
-            _ => None,
-        },
+        destination: text(d, field::DESTINATION),
         correlation_id: d
             .get(field::PROCESS_MANAGER_ID)
             .and_then(crate::record::guid::from_bson)

@@ -163,16 +163,6 @@ impl Store {
         self.history_on
     }
 
-    /// How records are decoded.
-    pub fn decoding(&self) -> Decoding {
-        self.decoding
-    }
-
-    /// The GUID representation the lease fields and `schedule` write.
-    pub fn uuid_representation(&self) -> UuidRepresentation {
-        self.uuids
-    }
-
     /// Ends the client's server sessions and stops its background tasks, within `within`.
     /// Call before the async runtime ends: otherwise the client's drop spawns an
     /// `endSessions` task that can race the runtime's shutdown, and the driver panics
@@ -185,11 +175,6 @@ impl Store {
             self.backend.shutdown().await
         };
         tokio::time::timeout(within, closing).await.is_ok()
-    }
-
-    /// The backend this store runs on.
-    pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.backend
     }
 
     /// The parking collection and the failed-send counts that go with this store.
@@ -450,78 +435,53 @@ pub fn server_time_in(clock: &ServerClock, d: Duration) -> DateTime {
 mod tests {
     use std::sync::Mutex;
 
-    use futures::future::BoxFuture;
-
     use super::*;
-    use crate::store::backend::{MongoError, Op, Reply, Written};
+    use crate::store::backend::{Answering, MongoError, Op, Reply, Written, command_error};
 
-    /// A backend that records each operation and command, answers a find with `found` and
-    /// a write with as many matched; a `listIndexes` fails as a lost connection does when
-    /// `list_fails`, else finds no collection.
-    #[derive(Debug, Default)]
-    struct Recording {
-        ops: Mutex<Vec<(String, Op)>>,
-        commands: Mutex<Vec<Document>>,
-        found: Vec<Document>,
-        list_fails: bool,
+    type Asked<T> = Arc<Mutex<Vec<T>>>;
+
+    fn taken<T: Clone>(asked: &Asked<T>) -> Vec<T> {
+        asked.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    impl Backend for Recording {
-        fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+    /// A store whose finds answer `found` and whose writes match as many; a `listIndexes`
+    /// fails as a lost connection does when `list_fails`, else finds no collection. Also
+    /// what it was asked: the operations, and each command's name.
+    fn store(found: Vec<Document>, list_fails: bool) -> (Store, Asked<Op>, Asked<String>) {
+        let (ops, commands): (Asked<Op>, Asked<String>) = Default::default();
+        let (asked, named) = (ops.clone(), commands.clone());
+        let run = move |op: Op| {
+            let n = found.len() as u64;
             let reply = match &op {
-                Op::Find { .. } => Reply::Docs(self.found.clone()),
+                Op::Find { .. } => Reply::Docs(found.clone()),
                 Op::Update { .. } => Reply::Written(Written {
-                    matched: self.found.len() as u64,
-                    modified: self.found.len() as u64,
+                    matched: n,
+                    modified: n,
                     ..Written::default()
                 }),
                 _ => Reply::Written(Written::default()),
             };
-            self.ops
+            asked.lock().unwrap_or_else(|e| e.into_inner()).push(op);
+            Ok(reply)
+        };
+        let command = move |command: Document| {
+            let name = command.keys().next().cloned().unwrap_or_default();
+            named
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push((collection.to_owned(), op));
-            Box::pin(async move { Ok(reply) })
-        }
-
-        fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-            let reply = match command.keys().next().map(String::as_str) {
-                Some("listIndexes") if self.list_fails => Err(MongoError::from(
-                    std::io::Error::from(std::io::ErrorKind::ConnectionReset),
-                )),
-                Some("listIndexes") => Err(crate::store::backend::command_error(
-                    26,
-                    "NamespaceNotFound",
-                    "ns does not exist",
-                )),
+                .push(name.clone());
+            match name.as_str() {
+                "listIndexes" if list_fails => Err(MongoError::from(std::io::Error::from(
+                    std::io::ErrorKind::ConnectionReset,
+                ))),
+                "listIndexes" => Err(command_error(26, "NamespaceNotFound", "ns does not exist")),
                 _ => Ok(doc! { "ok": 1 }),
-            };
-            self.commands
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(command);
-            Box::pin(async move { reply })
-        }
-
-        fn watch(
-            &self,
-            _: &str,
-            _: Vec<Document>,
-        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-            Box::pin(async { Err(command_error()) })
-        }
-
-        fn shutdown(&self) -> BoxFuture<'static, ()> {
-            Box::pin(async {})
-        }
-    }
-
-    fn command_error() -> MongoError {
-        crate::store::backend::command_error(40573, "Location40573", "no change streams")
-    }
-
-    fn store(backend: Arc<Recording>) -> Store {
-        Store::with_backend(backend, &MongoConfig::default(), ServerClock::default())
+            }
+        };
+        let backend = Arc::new(Answering(run, command));
+        let config = MongoConfig::default();
+        let store = Store::with_backend(backend, &config, ServerClock::default());
+        (store, ops, commands)
     }
 
     /// Item 9 of issue 25: the reaper's write is bounded on the server. It reads the expired
@@ -531,38 +491,22 @@ mod tests {
     #[tokio::test]
     async fn the_reaper_reads_ids_under_max_time_then_frees_by_id() {
         let ids = [Bson::Int32(1), Bson::Int32(2)];
-        let backend = Arc::new(Recording {
-            found: ids
-                .iter()
-                .map(|id| doc! { field::ID: id.clone() })
-                .collect(),
-            ..Recording::default()
-        });
-        let store = store(backend.clone());
+        let found = ids.iter().map(|id| doc! { field::ID: id.clone() });
+        let (store, ops, _) = store(found.collect(), false);
         assert_eq!(store.reap().await.expect("reap"), 2);
-        let ops = backend
-            .ops
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let ops = taken(&ops);
         let [
-            (
-                _,
-                Op::Find {
-                    filter: read,
-                    limit,
-                    max_time,
-                    ..
-                },
-            ),
-            (
-                _,
-                Op::Update {
-                    filter: write,
-                    many: true,
-                    ..
-                },
-            ),
+            Op::Find {
+                filter: read,
+                limit,
+                max_time,
+                ..
+            },
+            Op::Update {
+                filter: write,
+                many: true,
+                ..
+            },
         ] = ops.as_slice()
         else {
             panic!("not a bounded read then a write: {ops:?}");
@@ -584,37 +528,20 @@ mod tests {
     /// Nothing expired: no write at all.
     #[tokio::test]
     async fn the_reaper_writes_nothing_when_nothing_expired() {
-        let backend = Arc::new(Recording::default());
-        assert_eq!(store(backend.clone()).reap().await.expect("reap"), 0);
-        let ops = backend
-            .ops
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        assert!(matches!(ops.as_slice(), [(_, Op::Find { .. })]), "{ops:?}");
-    }
-
-    fn commands(backend: &Recording) -> Vec<String> {
-        let commands = backend.commands.lock().unwrap_or_else(|e| e.into_inner());
-        commands
-            .iter()
-            .filter_map(|c| c.keys().next().cloned())
-            .collect()
+        let (store, ops, _) = store(Vec::new(), false);
+        assert_eq!(store.reap().await.expect("reap"), 0);
+        let ops = taken(&ops);
+        assert!(matches!(ops.as_slice(), [Op::Find { .. }]), "{ops:?}");
     }
 
     /// A collection that does not exist yet has no index: all of timeoutd's are created.
     #[tokio::test]
     async fn indexes_are_created_when_the_collection_does_not_exist() {
-        let backend = Arc::new(Recording::default());
-        store(backend.clone())
-            .ensure_indexes()
-            .await
-            .expect("indexes");
-        let created = commands(&backend)
-            .iter()
-            .filter(|c| *c == "createIndexes")
-            .count();
-        assert!(created >= 3, "{:?}", commands(&backend));
+        let (store, _, commands) = store(Vec::new(), false);
+        store.ensure_indexes().await.expect("indexes");
+        let commands = taken(&commands);
+        let created = commands.iter().filter(|c| *c == "createIndexes").count();
+        assert!(created >= 3, "{commands:?}");
     }
 
     /// A `listIndexes` that failed for another reason (a lost connection) creates nothing
@@ -622,13 +549,9 @@ mod tests {
     /// queries, and never dropped them (issue 25's review).
     #[tokio::test]
     async fn a_failed_index_listing_creates_no_index() {
-        let backend = Arc::new(Recording {
-            list_fails: true,
-            ..Recording::default()
-        });
-        let store = store(backend.clone());
+        let (store, _, commands) = store(Vec::new(), true);
         assert!(store.index_plan().await.is_err());
         assert!(store.ensure_indexes().await.is_err());
-        assert_eq!(commands(&backend), ["listIndexes", "listIndexes"]);
+        assert_eq!(taken(&commands), ["listIndexes", "listIndexes"]);
     }
 }

@@ -23,6 +23,7 @@ use crate::store::clock::ServerClock;
 use crate::store::coll::Coll;
 use crate::store::indexes::{create_index, index_spec};
 use crate::store::lease;
+use crate::store::listing::{date, int, show_instant, text};
 
 /// How long a failed-send count is kept after its last failure. A record that was sent in
 /// the end leaves its count behind; MongoDB's TTL monitor removes it after this.
@@ -192,11 +193,7 @@ impl Parking {
             .return_new(true)
             .await?;
         let n = after
-            .and_then(|d| match d.get(attempt_field::ATTEMPTS) {
-                Some(Bson::Int32(n)) => Some(i64::from(*n)),
-                Some(Bson::Int64(n)) => Some(*n),
-                _ => None,
-            })
+            .and_then(|d| int(&d, attempt_field::ATTEMPTS))
             .unwrap_or(1);
         Ok(Some(n.clamp(1, i64::from(u32::MAX)) as u32))
     }
@@ -406,20 +403,12 @@ fn to_listed(d: &Document) -> ParkedRecord {
     let record = d.get_document(parked_field::RECORD).ok();
     ParkedRecord {
         id: d.get(field::ID).map(display_id).unwrap_or_default(),
-        destination: record
-            .and_then(|r| r.get_str(field::DESTINATION).ok())
-            .map(str::to_string),
-        reason: d.get_str(parked_field::REASON).unwrap_or("").to_string(),
-        error: d.get_str(parked_field::ERROR).unwrap_or("").to_string(),
-        attempts: match d.get(parked_field::ATTEMPTS) {
-            Some(Bson::Int64(n)) => *n,
-            Some(Bson::Int32(n)) => i64::from(*n),
-            _ => 0,
-        },
-        parked_at: d
-            .get_datetime(parked_field::PARKED_AT)
-            .ok()
-            .and_then(|t| t.try_to_rfc3339_string().ok())
+        destination: record.and_then(|r| text(r, field::DESTINATION)),
+        reason: text(d, parked_field::REASON).unwrap_or_default(),
+        error: text(d, parked_field::ERROR).unwrap_or_default(),
+        attempts: int(d, parked_field::ATTEMPTS).unwrap_or(0),
+        parked_at: date(d, parked_field::PARKED_AT)
+            .and_then(show_instant)
             .unwrap_or_default(),
     }
 }

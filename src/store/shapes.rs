@@ -406,7 +406,7 @@ mod tests {
         let answering = backend.clone();
         let config = MongoConfig::default();
         let store = Store::with_backend(
-            Arc::new(Answering(move |op| answering.answer(op))),
+            Arc::new(Answering::new(move |op| answering.answer(op))),
             &config,
             ServerClock::default(),
         );

@@ -204,15 +204,6 @@ fn id_key(id: &Bson) -> Vec<u8> {
     key
 }
 
-/// An integer field of a stored row, of either width.
-pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
-    match d.get(key) {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        _ => None,
-    }
-}
-
 impl Store {
     /// The history collection: `<collection>_history`.
     pub fn history(&self) -> Coll {
@@ -319,7 +310,12 @@ impl Store {
             .iter()
             .filter_map(|c| {
                 let id = c.get("_id")?;
-                Some((id_key(id), int(c, "attempts").unwrap_or(0).max(0)))
+                Some((
+                    id_key(id),
+                    crate::store::listing::int(c, "attempts")
+                        .unwrap_or(0)
+                        .max(0),
+                ))
             })
             .collect())
     }
