@@ -175,11 +175,7 @@ impl Coll {
     }
 
     pub fn insert_one(&self, doc: Document) -> Call<Written> {
-        let op = Op::Insert {
-            docs: vec![doc],
-            ordered: true,
-        };
-        self.call(op, written)
+        self.insert_many(vec![doc])
     }
 
     pub fn insert_many(&self, docs: Vec<Document>) -> Call<Written> {
@@ -238,11 +234,6 @@ impl<T> fmt::Debug for Call<T> {
 }
 
 impl<T> Call<T> {
-    /// The operation as it stands.
-    pub fn op(&self) -> &Op {
-        &self.op
-    }
-
     pub fn projection(mut self, p: Document) -> Self {
         if let Op::Find { projection, .. } = &mut self.op {
             *projection = Some(p);

@@ -235,7 +235,8 @@ impl Backend for Driver {
         Box::pin(async move {
             // Dropped before the shutdown finished (its deadline), this clone is leaked on
             // purpose: the last drop of a client spawns an `endSessions` task that can race
-            // the runtime's end, and the driver panics (`connection_requester.rs:42`).
+            // the runtime's end, and the driver panics (`connection_requester.rs:42`, a send
+            // to its connection pool's stopped worker). Hence `Store::close` before the end.
             let kept = Leaked(Some(client.clone()));
             client.shutdown().await;
             kept.release();

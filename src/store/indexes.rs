@@ -1,7 +1,7 @@
 //! timeoutd's own indexes, and the start-up task that asks for them.
 //!
 //! Building an index never makes start-up fail: the daemon starts dispatching with the
-//! indexes that exist, while [`build`] asks for the missing ones in the background. On a
+//! indexes that exist, while [`run`] asks for the missing ones in the background. On a
 //! large collection `createIndexes` runs far longer than `[mongodb] operation_timeout`; its
 //! call then ends on the client while the build goes on on the server (no `maxTimeMS`: that
 //! would abort the build). The task lists the indexes again after each wait, keeps
@@ -144,7 +144,7 @@ impl Store {
 
     /// Creates the indexes of [`Store::index_plan`] and drops the redundant ones, each under
     /// `operation_timeout`, in one go (the `ensure-indexes` path of tests and benchmarks; the
-    /// daemon uses [`build`]). Also warns when the collection is empty and the other spelling
+    /// daemon uses [`run`]). Also warns when the collection is empty and the other spelling
     /// of the ServiceConnect database holds records.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
         let plan = self.index_plan().await?;
@@ -256,18 +256,10 @@ async fn estimated_count(coll: &Coll) -> Result<u64, MongoError> {
     }
 }
 
-/// The daemon's `indexes` task: [`build`], then nothing until shutdown. Never waited for:
-/// dispatching starts with the indexes that exist while this asks for the missing ones (a
-/// build on a large collection outlasts any deadline).
+/// The daemon's `indexes` task (see the module): asks for timeoutd's indexes, and those of
+/// its parking, attempts and control collections, until every one exists; then waits for
+/// shutdown.
 pub async fn run(store: Store, shutdown: CancellationToken) {
-    build(store, shutdown.clone()).await;
-    shutdown.cancelled().await;
-}
-
-/// Asks for timeoutd's indexes (and those of its parking, attempts and control collections)
-/// and watches them until every one exists, or until shutdown. Never fails: a build that
-/// fails is logged with its reason and asked for again later.
-pub async fn build(store: Store, shutdown: CancellationToken) {
     let parking = store.parking();
     let own = async {
         let created = store.bounded("create parking indexes", parking.ensure_indexes());
@@ -341,7 +333,7 @@ pub async fn build(store: Store, shutdown: CancellationToken) {
             done = round => done,
         };
         if done {
-            break;
+            return shutdown.cancelled().await;
         }
         let next = listing.next_at().max(Instant::now() + CHECK_EVERY);
         tokio::select! {

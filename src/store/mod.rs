@@ -163,12 +163,9 @@ impl Store {
         self.history_on
     }
 
-    /// Ends the client's server sessions and stops its background tasks, within `within`.
-    /// Call before the async runtime ends: otherwise the client's drop spawns an
-    /// `endSessions` task that can race the runtime's shutdown, and the driver panics
-    /// (`connection_requester.rs:42`, a send to its connection pool's stopped worker).
-    /// Returns false when the deadline passed; the client is then leaked on purpose, so no
-    /// drop spawns that task (the process is about to exit).
+    /// Ends the client's server sessions and stops its background tasks, within `within`;
+    /// call before the async runtime ends (why: [`crate::store::driver`]'s `shutdown`).
+    /// Returns false when the deadline passed; the client is then leaked on purpose.
     pub async fn close(&self, within: Duration) -> bool {
         let closing = async {
             crate::service::shutdown::stall().await;
@@ -179,19 +176,17 @@ impl Store {
 
     /// The parking collection and the failed-send counts that go with this store.
     pub fn parking(&self) -> crate::store::parking::Parking {
-        crate::store::parking::Parking::new(
-            self.coll.clone(),
-            self.parked.clone(),
-            self.attempts.clone(),
-            self.clock.clone(),
-        )
+        crate::store::parking::Parking {
+            timeouts: self.coll.clone(),
+            parked: self.parked.clone(),
+            attempts: self.attempts.clone(),
+            clock: self.clock.clone(),
+        }
     }
 
     /// Runs one store call under `[mongodb] operation_timeout`: a server that stops answering
-    /// becomes a [`StoreError::Deadline`] naming the call, never a wait without end.
-    /// Counted in `timeoutd_mongodb_calls_in_flight` until it returns, or, when dropped (its
-    /// deadline, shutdown), until the server's `maxTimeMS` has ended it
-    /// ([`crate::store::pacing`]).
+    /// becomes a [`StoreError::Deadline`] naming the call, never a wait without end. Counted
+    /// in `timeoutd_mongodb_calls_in_flight` ([`crate::store::pacing`]).
     pub async fn bounded<T>(
         &self,
         what: &'static str,
@@ -344,11 +339,8 @@ impl Store {
         Ok(r.matched)
     }
 
-    /// Frees expired leases, at most [`REAP_BATCH`] a pass; returns how many. Bounded on the
-    /// server as a read is: the expired ones are read first (their `_id`s, under `maxTimeMS`,
-    /// at most a batch), then freed by `_id`, each still expired: a record claimed again in
-    /// between is not touched. (One `updateMany` over the expired range carries no
-    /// `maxTimeMS` and kept running on a slow server after the reaper gave up on it.)
+    /// Frees expired leases, at most [`REAP_BATCH`] a pass; returns how many. Their `_id`s are
+    /// read first (why: [`crate::store::pacing`]), then freed by `_id` if still expired.
     pub async fn reap(&self) -> Result<u64, StoreError> {
         let now = self.clock.now();
         let expired = self.coll.find_ids(lease::expired(now));

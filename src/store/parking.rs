@@ -121,22 +121,13 @@ pub enum Requeued {
 /// Access to the parking and attempts collections; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Parking {
-    timeouts: Coll,
-    parked: Coll,
-    attempts: Coll,
-    clock: ServerClock,
+    pub(super) timeouts: Coll,
+    pub(super) parked: Coll,
+    pub(super) attempts: Coll,
+    pub(super) clock: ServerClock,
 }
 
 impl Parking {
-    pub(crate) fn new(timeouts: Coll, parked: Coll, attempts: Coll, clock: ServerClock) -> Self {
-        Self {
-            timeouts,
-            parked,
-            attempts,
-            clock,
-        }
-    }
-
     /// The TTL index that clears old failed-send counts, and the parked listing order.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
         let ttl = index_spec(
