@@ -174,11 +174,35 @@ impl Store {
             self.count(lease::foreign_locks()),
             self.count(odd_locked_filter()),
         )?;
-        if unschedulable > 0 {
-            self.name_unschedulable(state).await?;
+        // Each named in the logs once (at most NAMED_PER_CENSUS a census), with what it holds.
+        let unnamed = match unschedulable {
+            0 => Vec::new(),
+            _ => {
+                self.not_yet_named(state, self.unschedulable_filter(), field::TIME, "")
+                    .await?
+            }
+        };
+        for (id, time) in unnamed {
+            tracing::warn!(
+                timeout_id = %display_id(&id),
+                time = time.as_deref().unwrap_or("(missing)"),
+                time_encoding = ?self.encoding,
+                "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
+            );
         }
-        if odd_locked > 0 {
-            self.name_odd_locked(state).await?;
+        let unnamed = match odd_locked {
+            0 => Vec::new(),
+            _ => {
+                self.not_yet_named(state, odd_locked_filter(), field::LOCKED, "locked:")
+                    .await?
+            }
+        };
+        for (id, value) in unnamed {
+            tracing::warn!(
+                timeout_id = %display_id(&id),
+                locked = value.as_deref().unwrap_or("(missing)"),
+                "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
+            );
         }
         if foreign_locks > 0 {
             let mut warned = locked(&state.warned_foreign_at);
@@ -196,37 +220,6 @@ impl Store {
             foreign_locks,
             odd_locked,
         })
-    }
-
-    /// Names each record of [`odd_locked_filter`] in the logs once (at most
-    /// [`NAMED_PER_CENSUS`] per census), with the value it holds.
-    async fn name_odd_locked(&self, state: &CensusState) -> Result<(), StoreError> {
-        for (id, value) in self
-            .not_yet_named(state, odd_locked_filter(), field::LOCKED, "locked:")
-            .await?
-        {
-            tracing::warn!(
-                timeout_id = %display_id(&id),
-                locked = value.as_deref().unwrap_or("(missing)"),
-                "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
-            );
-        }
-        Ok(())
-    }
-
-    async fn name_unschedulable(&self, state: &CensusState) -> Result<(), StoreError> {
-        for (id, time) in self
-            .not_yet_named(state, self.unschedulable_filter(), field::TIME, "")
-            .await?
-        {
-            tracing::warn!(
-                timeout_id = %display_id(&id),
-                time = time.as_deref().unwrap_or("(missing)"),
-                time_encoding = ?self.encoding,
-                "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
-            );
-        }
-        Ok(())
     }
 
     /// The records of `filter` (at most [`NAMED_PER_CENSUS`]) not yet named in the logs under

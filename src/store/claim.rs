@@ -52,8 +52,7 @@ pub struct Candidates {
     excluded: Vec<String>,
     /// Each candidate as read (every one has an `_id`).
     found: Vec<Document>,
-    /// Every candidate was due when read: the take can restrict itself to records due at its
-    /// own instant, and then needs no read-back when it takes them all.
+    /// Every candidate was due when read (see the module).
     all_due: bool,
     /// The read saw more claimable records than it returned.
     more: bool,

@@ -73,11 +73,9 @@ impl Shapes {
         Ok(Self::Fixed(store.shapes().await?))
     }
 
-    /// The shapes to query now: the last published, after the first learn (waited for).
-    /// While none is known (an empty collection), the claim asks the learner to look again
-    /// and waits for that try (the learner takes an ask at most every
-    /// [`REFRESH_WHILE_EMPTY`]): a wake-up for a record inserted due soon finds it at once,
-    /// and a database that does not answer fails the claim, as every claim's query would.
+    /// The shapes to query now: the last published, after the first learn (waited for); while
+    /// none is known, after a try asked for (see the module): a wake-up for a record inserted
+    /// due soon finds it at once, and a database that does not answer fails the claim.
     pub async fn current(&self) -> Result<Vec<Shape>, StoreError> {
         let (mut rx, wanted) = match self {
             Shapes::Fixed(shapes) => return Ok(shapes.clone()),
@@ -174,11 +172,9 @@ pub fn learner(store: &Store) -> (Option<Learner>, Shapes) {
 }
 
 impl Learner {
-    /// Until shutdown: learns the set, then probes every [`REFRESH`], learning again when a
-    /// probe finds a new shape and every [`FULL_REFRESH`] (to drop offsets no record holds
-    /// any more). While the set is empty, a claim's ask comes sooner (at most every
-    /// [`REFRESH_WHILE_EMPTY`]), so that the first records inserted fire on time. Failures
-    /// are paced by [`Pacing`], keeping the last set.
+    /// Until shutdown: learns, probes and learns again as the module says, and takes a
+    /// claim's ask while the set is empty; failures are paced by [`Pacing`], keeping the last
+    /// set.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
