@@ -1,8 +1,8 @@
 //! The seam under [`crate::store::Store`]: MongoDB at the level of collection operations.
 //!
 //! Everything the store asks of MongoDB is one [`Op`] on one named collection, one database
-//! command (`hello`, `buildInfo`, `collMod`, `createIndexes`, `listIndexes`, `dropIndexes`),
-//! or one change stream. [`Backend`] runs them: [`Driver`](crate::store::driver) with the
+//! command (`hello`, `buildInfo`, `collMod`, `count`, `createIndexes`, `listIndexes`,
+//! `dropIndexes`), or one change stream. [`Backend`] runs them: [`Driver`](crate::store::driver) with the
 //! `mongodb` crate in the daemon, an in-memory model in the simulation (`sim/`). The lease
 //! filters, the shape learner, the read window, the paused head and the claim's drop guard all
 //! sit above this seam, so they run as real code under the simulation.
@@ -130,8 +130,7 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Runs one operation on `collection` of the database.
     fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>>;
 
-    /// Runs one database command (`hello`, `buildInfo`, `collMod`, `createIndexes`,
-    /// `listIndexes`, `dropIndexes`, `serverStatus`) and returns its reply.
+    /// Runs one database command and returns its reply.
     fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>>;
 
     /// Opens a change stream on `collection` with `pipeline`.

@@ -235,18 +235,13 @@ impl ClaimPath {
         });
         // Each record with its due instant, when its `Time` decodes. A record the decoder
         // rejects still joins the batch (to be parked), at the end of the range it matched.
-        let mut found: Vec<(Option<DateTime>, Document)> = Vec::new();
-        for docs in Store::timed(
-            "find",
-            futures::future::try_join_all(reads.map(IntoFuture::into_future)),
-        )
-        .await?
-        {
-            found.extend(
-                docs.into_iter()
-                    .map(|d| (TimeoutRecord::decode_due(&d, store.encoding), d)),
-            );
-        }
+        let reads = futures::future::try_join_all(reads.map(IntoFuture::into_future));
+        let mut found: Vec<(Option<DateTime>, Document)> = Store::timed("find", reads)
+            .await?
+            .into_iter()
+            .flatten()
+            .map(|d| (TimeoutRecord::decode_due(&d, store.encoding), d))
+            .collect();
         found.sort_by_key(|(due, _)| due.unwrap_or(range.to).timestamp_millis());
         found.truncate(batch_size as usize);
         let dues: Vec<DateTime> = found
