@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document, doc};
+use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
@@ -238,7 +239,7 @@ impl Store {
         call: &'static str,
         fut: impl std::future::Future<Output = T>,
     ) -> T {
-        let started = tokio::time::Instant::now();
+        let started = Instant::now();
         let out = fut.await;
         crate::metrics::mongodb_call(call, started.elapsed());
         out
@@ -275,16 +276,11 @@ impl Store {
     /// the sample with the shortest round trip of three, so that a first call that also opens
     /// the connection does not skew it. Also the cheapest check that the server answers.
     pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
-        let mut best: Option<(
-            Duration,
-            DateTime,
-            tokio::time::Instant,
-            tokio::time::Instant,
-        )> = None;
+        let mut best: Option<(Duration, DateTime, Instant, Instant)> = None;
         for _ in 0..3 {
-            let sent = tokio::time::Instant::now();
+            let sent = Instant::now();
             let reply = self.command(doc! { "hello": 1 }).await?;
-            let received = tokio::time::Instant::now();
+            let received = Instant::now();
             let server = *reply
                 .get_datetime("localTime")
                 .map_err(|_| StoreError::NoServerTime)?;
