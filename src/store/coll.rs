@@ -224,15 +224,6 @@ pub struct Call<T> {
     reply: fn(Reply) -> Option<T>,
 }
 
-impl<T> fmt::Debug for Call<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Call")
-            .field("coll", &self.coll)
-            .field("op", &self.op)
-            .finish()
-    }
-}
-
 impl<T> Call<T> {
     pub fn projection(mut self, p: Document) -> Self {
         if let Op::Find { projection, .. } = &mut self.op {
