@@ -21,8 +21,8 @@ use serde::Serialize;
 
 use crate::store::backend::ChangeStream;
 use crate::store::indexes::{create_index, index_spec};
-use crate::store::listing::{date, show_instant, text};
-use crate::store::{Store, StoreError};
+use crate::store::listing::show_instant;
+use crate::store::{Store, StoreError, date, text};
 
 /// How long audit entries are kept.
 pub const AUDIT_RETENTION: Duration = Duration::from_secs(365 * 24 * 3600);

@@ -18,7 +18,7 @@ use uuid::Uuid;
 use crate::record::due::Shape;
 use crate::record::{TimeoutRecord, display_id, field};
 use crate::store::lease;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, date, text};
 
 /// The most rows one `list` returns, whatever `--limit` says.
 pub const MAX_LIMIT: u32 = 10_000;
@@ -92,25 +92,6 @@ pub struct Listed {
 /// An instant as `list` prints it: RFC 3339 in UTC with milliseconds.
 pub fn show_instant(t: DateTime) -> Option<String> {
     t.try_to_rfc3339_string().ok()
-}
-
-/// A stored field read as hostile: its string, if it is one.
-pub(crate) fn text(d: &Document, key: &str) -> Option<String> {
-    d.get_str(key).ok().map(str::to_string)
-}
-
-/// A stored field read as hostile: its date, if it is one.
-pub(crate) fn date(d: &Document, key: &str) -> Option<DateTime> {
-    d.get_datetime(key).ok().copied()
-}
-
-/// A stored field read as hostile: its integer, of either width.
-pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
-    match d.get(key) {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        _ => None,
-    }
 }
 
 /// Whether a stored document is free at `now` by the rules of [`lease::claimable`]: not

@@ -409,6 +409,25 @@ fn server_limit(operation_timeout: Duration) -> Duration {
     )
 }
 
+/// A stored field read as hostile: its string, if it is one.
+pub(crate) fn text(d: &Document, key: &str) -> Option<String> {
+    d.get_str(key).ok().map(str::to_string)
+}
+
+/// A stored field read as hostile: its date, if it is one.
+pub(crate) fn date(d: &Document, key: &str) -> Option<DateTime> {
+    d.get_datetime(key).ok().copied()
+}
+
+/// A stored field read as hostile: its integer, of either width.
+pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
+    match d.get(key) {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        _ => None,
+    }
+}
+
 /// `maxTimeMS` for a limit: whole milliseconds, at least 1 (0 would mean no limit).
 pub fn max_time_ms(limit: Duration) -> i64 {
     i64::try_from(limit.as_millis()).unwrap_or(i64::MAX).max(1)

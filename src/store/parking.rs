@@ -18,12 +18,11 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::record::{display_id, field};
-use crate::store::StoreError;
 use crate::store::clock::ServerClock;
 use crate::store::coll::Coll;
 use crate::store::indexes::{create_index, index_spec};
 use crate::store::lease;
-use crate::store::listing::{date, int, show_instant, text};
+use crate::store::{StoreError, date, int, text};
 
 /// How long a failed-send count is kept after its last failure. A record that was sent in
 /// the end leaves its count behind; MongoDB's TTL monitor removes it after this.
@@ -399,7 +398,7 @@ fn to_listed(d: &Document) -> ParkedRecord {
         error: text(d, parked_field::ERROR).unwrap_or_default(),
         attempts: int(d, parked_field::ATTEMPTS).unwrap_or(0),
         parked_at: date(d, parked_field::PARKED_AT)
-            .and_then(show_instant)
+            .and_then(|t| t.try_to_rfc3339_string().ok())
             .unwrap_or_default(),
     }
 }

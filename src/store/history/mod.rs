@@ -312,9 +312,7 @@ impl Store {
                 let id = c.get("_id")?;
                 Some((
                     id_key(id),
-                    crate::store::listing::int(c, "attempts")
-                        .unwrap_or(0)
-                        .max(0),
+                    crate::store::int(c, "attempts").unwrap_or(0).max(0),
                 ))
             })
             .collect())

@@ -5,8 +5,8 @@ use bson::{DateTime, Document, doc};
 use serde::Serialize;
 
 use crate::store::history::field;
-use crate::store::listing::{date, int, show_instant, text};
-use crate::store::{Store, StoreError};
+use crate::store::listing::show_instant;
+use crate::store::{Store, StoreError, date, int, text};
 
 /// What `timeoutd history` selects.
 #[derive(Debug, Clone, Default)]
