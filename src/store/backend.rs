@@ -1,8 +1,8 @@
 //! The seam under [`crate::store::Store`]: MongoDB at the level of collection operations.
 //!
 //! Everything the store asks of MongoDB is one [`Op`] on one named collection, one database
-//! command (`hello`, `buildInfo`, `collMod`, `createIndexes`, `listIndexes`, `dropIndexes`),
-//! or one change stream. [`Backend`] runs them: [`Driver`](crate::store::driver) with the
+//! command (`hello`, `buildInfo`, `collMod`, `count`, `createIndexes`, `listIndexes`,
+//! `dropIndexes`), or one change stream. [`Backend`] runs them: [`Driver`](crate::store::driver) with the
 //! `mongodb` crate in the daemon, an in-memory model in the simulation (`sim/`). The lease
 //! filters, the shape learner, the read window, the paused head and the claim's drop guard all
 //! sit above this seam, so they run as real code under the simulation.
@@ -130,8 +130,7 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Runs one operation on `collection` of the database.
     fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>>;
 
-    /// Runs one database command (`hello`, `buildInfo`, `collMod`, `createIndexes`,
-    /// `listIndexes`, `dropIndexes`, `serverStatus`) and returns its reply.
+    /// Runs one database command and returns its reply.
     fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>>;
 
     /// Opens a change stream on `collection` with `pipeline`.
@@ -155,30 +154,40 @@ pub fn command_error(code: i32, code_name: &str, message: &str) -> MongoError {
     }
 }
 
-/// A backend whose collection operations one function answers, for unit tests that need no
-/// server: commands answer `ok`, change streams cannot be opened.
+/// A backend whose collection operations one function answers and whose commands another
+/// does ([`Answering::new`]: `ok`), for unit tests that need no server; change streams cannot
+/// be opened.
 #[cfg(test)]
-pub(crate) struct Answering<F>(pub F);
+pub(crate) struct Answering<F, C = fn(Document) -> Result<Document, MongoError>>(pub F, pub C);
 
 #[cfg(test)]
-impl<F> fmt::Debug for Answering<F> {
+impl<F> Answering<F> {
+    pub fn new(ops: F) -> Self {
+        Self(ops, |_| Ok(bson::doc! { "ok": 1 }))
+    }
+}
+
+#[cfg(test)]
+impl<F, C> fmt::Debug for Answering<F, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Answering")
     }
 }
 
 #[cfg(test)]
-impl<F> Backend for Answering<F>
+impl<F, C> Backend for Answering<F, C>
 where
     F: Fn(Op) -> Result<Reply, MongoError> + Send + Sync + 'static,
+    C: Fn(Document) -> Result<Document, MongoError> + Send + Sync + 'static,
 {
     fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
         let reply = (self.0)(op);
         Box::pin(async move { reply })
     }
 
-    fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-        Box::pin(async { Ok(bson::doc! { "ok": 1 }) })
+    fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+        let reply = (self.1)(command);
+        Box::pin(async move { reply })
     }
 
     fn watch(

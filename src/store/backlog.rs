@@ -59,28 +59,14 @@ impl Store {
         left_out.dedup();
         let now = self.clock.now();
         let claimable = lease::due_within(now, None, now, shapes);
-        let due = self
-            .query(
-                self.coll
-                    .count_documents(lease::except(claimable, &paused))
-                    .limit(count_limit(up_to))
-                    .max_time(self.server_limit()),
-            )
-            .await?;
+        let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
+        let count = |filter| self.query(self.coll.count_documents(filter).limit(limit));
+        let due = count(lease::except(claimable, &paused)).await?;
         let paused_due = match paused.is_empty() {
             true => 0,
             false => {
-                let of_paused = lease::all_of([
-                    lease::due_by(now, shapes),
-                    doc! { field::DESTINATION: { "$in": paused.clone() } },
-                ]);
-                self.query(
-                    self.coll
-                        .count_documents(of_paused)
-                        .limit(count_limit(up_to))
-                        .max_time(self.server_limit()),
-                )
-                .await?
+                let of_paused = doc! { field::DESTINATION: { "$in": paused.clone() } };
+                count(lease::all_of([lease::due_by(now, shapes), of_paused])).await?
             }
         };
         let mut oldest_due: Option<DateTime> = None;
@@ -120,8 +106,7 @@ impl Store {
                 self.coll
                     .find_one(filter)
                     .sort(shape.sort())
-                    .projection(doc! { field::ID: 1, field::TIME: 1 })
-                    .max_time(self.server_limit()),
+                    .projection(doc! { field::ID: 1, field::TIME: 1 }),
             )
             .await?;
         Ok(first.map(|d| {
@@ -131,12 +116,7 @@ impl Store {
     }
 }
 
-/// A count's limit as the driver's builders take it.
-fn count_limit(up_to: u64) -> i64 {
-    i64::try_from(up_to).unwrap_or(i64::MAX)
-}
-
-fn age_seconds(now: DateTime, due: DateTime) -> f64 {
+pub(crate) fn age_seconds(now: DateTime, due: DateTime) -> f64 {
     let age_ms = now
         .timestamp_millis()
         .saturating_sub(due.timestamp_millis());

@@ -98,6 +98,11 @@ pub fn odd_locked_filter() -> Document {
 }
 
 impl Store {
+    /// How many records of the timeouts collection `filter` matches.
+    pub(crate) async fn count(&self, filter: Document) -> Result<u64, StoreError> {
+        self.query(self.coll.count_documents(filter)).await
+    }
+
     /// The filter of records no branch of the due query will ever match.
     fn unschedulable_filter(&self) -> Document {
         doc! { "$nor": [due::schedulable(self.encoding)] }
@@ -114,49 +119,36 @@ impl Store {
                 .query(
                     self.coll
                         .find_one(shape.due_between(None, now))
-                        .sort(shape.sort())
-                        .max_time(self.server_limit()),
+                        .sort(shape.sort()),
                 )
                 .await?;
             if let Some(due) = first.and_then(|d| TimeoutRecord::decode_due(&d, self.encoding)) {
                 oldest = Some(oldest.map_or(due, |o| o.min(due)));
             }
         }
-        Ok(oldest.map(|due| {
-            let age_ms = now
-                .timestamp_millis()
-                .saturating_sub(due.timestamp_millis());
-            age_ms.max(0) as f64 / 1000.0
-        }))
+        Ok(oldest.map(|due| crate::store::backlog::age_seconds(now, due)))
     }
 
     /// Counts for operators.
     pub async fn stats(&self) -> Result<Stats, StoreError> {
         let shapes = self.shapes().await?;
         let now = self.clock.now();
-        let count = |filter: Document| {
-            self.query(
-                self.coll
-                    .count_documents(filter)
-                    .max_time(self.server_limit()),
-            )
-        };
         let not_due = lease::all_of([
             lease::due_after(now, &shapes),
             doc! { field::LOCKED: false },
         ]);
         let parking = self.parking();
         let (due, pending, leased, expired, stuck, unschedulable, parked, retrying) = tokio::try_join!(
-            count(lease::due_filter(now, &shapes)),
-            count(not_due),
-            count(lease::held_any(now)),
-            count(lease::expired(now)),
-            count(lease::stuck()),
-            count(self.unschedulable_filter()),
+            self.count(lease::due_filter(now, &shapes)),
+            self.count(not_due),
+            self.count(lease::held_any(now)),
+            self.count(lease::expired(now)),
+            self.count(lease::stuck()),
+            self.count(self.unschedulable_filter()),
             parking.count(),
             parking.count_retrying(),
         )?;
-        let odd_locked = count(odd_locked_filter()).await?;
+        let odd_locked = self.count(odd_locked_filter()).await?;
         let oldest_due_age_seconds = self.oldest_due_age(now, &shapes).await?;
         Ok(Stats {
             pending,
@@ -176,24 +168,41 @@ impl Store {
     /// once, and warns (at most every [`FOREIGN_WARNING_EVERY`]) when records are locked as
     /// timeoutd never locks them: another dispatcher is claiming in this collection.
     pub async fn census(&self, state: &CensusState) -> Result<Census, StoreError> {
-        let count = |filter: Document| {
-            self.query(
-                self.coll
-                    .count_documents(filter)
-                    .max_time(self.server_limit()),
-            )
-        };
         let (unschedulable, stuck_locks, foreign_locks, odd_locked) = tokio::try_join!(
-            count(self.unschedulable_filter()),
-            count(lease::stuck()),
-            count(lease::foreign_locks()),
-            count(odd_locked_filter()),
+            self.count(self.unschedulable_filter()),
+            self.count(lease::stuck()),
+            self.count(lease::foreign_locks()),
+            self.count(odd_locked_filter()),
         )?;
-        if unschedulable > 0 {
-            self.name_unschedulable(state).await?;
+        // Each named in the logs once (at most NAMED_PER_CENSUS a census), with what it holds.
+        let unnamed = match unschedulable {
+            0 => Vec::new(),
+            _ => {
+                self.not_yet_named(state, self.unschedulable_filter(), field::TIME, "")
+                    .await?
+            }
+        };
+        for (id, time) in unnamed {
+            tracing::warn!(
+                timeout_id = %display_id(&id),
+                time = time.as_deref().unwrap_or("(missing)"),
+                time_encoding = ?self.encoding,
+                "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
+            );
         }
-        if odd_locked > 0 {
-            self.name_odd_locked(state).await?;
+        let unnamed = match odd_locked {
+            0 => Vec::new(),
+            _ => {
+                self.not_yet_named(state, odd_locked_filter(), field::LOCKED, "locked:")
+                    .await?
+            }
+        };
+        for (id, value) in unnamed {
+            tracing::warn!(
+                timeout_id = %display_id(&id),
+                locked = value.as_deref().unwrap_or("(missing)"),
+                "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
+            );
         }
         if foreign_locks > 0 {
             let mut warned = locked(&state.warned_foreign_at);
@@ -213,37 +222,6 @@ impl Store {
         })
     }
 
-    /// Names each record of [`odd_locked_filter`] in the logs once (at most
-    /// [`NAMED_PER_CENSUS`] per census), with the value it holds.
-    async fn name_odd_locked(&self, state: &CensusState) -> Result<(), StoreError> {
-        for (id, value) in self
-            .not_yet_named(state, odd_locked_filter(), field::LOCKED, "locked:")
-            .await?
-        {
-            tracing::warn!(
-                timeout_id = %display_id(&id),
-                locked = value.as_deref().unwrap_or("(missing)"),
-                "record cannot be claimed: its Locked is missing or not a boolean and it has no lease expiry, so no claim matches it (ServiceConnect writes Locked: false for a free record); timeoutd does not write to records it cannot claim: set Locked to false to let it fire"
-            );
-        }
-        Ok(())
-    }
-
-    async fn name_unschedulable(&self, state: &CensusState) -> Result<(), StoreError> {
-        for (id, time) in self
-            .not_yet_named(state, self.unschedulable_filter(), field::TIME, "")
-            .await?
-        {
-            tracing::warn!(
-                timeout_id = %display_id(&id),
-                time = time.as_deref().unwrap_or("(missing)"),
-                time_encoding = ?self.encoding,
-                "record cannot be scheduled: its Time is of no shape the time_encoding setting serves, or outside .NET's range; it will not fire until fixed"
-            );
-        }
-        Ok(())
-    }
-
     /// The records of `filter` (at most [`NAMED_PER_CENSUS`]) not yet named in the logs under
     /// `kind`, each with its `shown` field as text; they count as named from now on.
     async fn not_yet_named(
@@ -258,8 +236,7 @@ impl Store {
                 self.coll
                     .find(filter)
                     .projection(doc! { field::ID: 1, shown: 1, field::DESTINATION: 1 })
-                    .limit(NAMED_PER_CENSUS)
-                    .max_time(self.server_limit()),
+                    .limit(NAMED_PER_CENSUS),
             )
             .await?;
         let mut named = locked(&state.named);
@@ -282,22 +259,13 @@ impl Store {
         state: &CensusState,
         lease_len: Duration,
     ) -> Result<u64, StoreError> {
-        let docs: Vec<Document> = self
-            .query(
-                self.coll
-                    .find(lease::stuck())
-                    .projection(doc! { field::ID: 1 })
-                    .limit(STUCK_TRACKED)
-                    .max_time(self.server_limit()),
-            )
-            .await?;
+        let ids = self.coll.find_ids(lease::stuck()).limit(STUCK_TRACKED);
+        let ids = self.query(ids).await?;
         let now = Instant::now();
         let old: Vec<Bson> = {
             let mut since = locked(&state.stuck_since);
-            let current: HashMap<String, Bson> = crate::record::ids_of(docs)
-                .into_iter()
-                .map(|id| (key_of(&id), id))
-                .collect();
+            let current: HashMap<String, Bson> =
+                ids.into_iter().map(|id| (key_of(&id), id)).collect();
             since.retain(|k, _| current.contains_key(k));
             for (k, id) in current {
                 since.entry(k).or_insert((id, now));

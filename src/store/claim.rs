@@ -52,8 +52,7 @@ pub struct Candidates {
     excluded: Vec<String>,
     /// Each candidate as read (every one has an `_id`).
     found: Vec<Document>,
-    /// Every candidate was due when read: the take can restrict itself to records due at its
-    /// own instant, and then needs no read-back when it takes them all.
+    /// Every candidate was due when read (see the module).
     all_due: bool,
     /// The read saw more claimable records than it returned.
     more: bool,
@@ -112,14 +111,6 @@ struct Unclaimed {
 }
 
 impl Unclaimed {
-    fn new(store: &Store, ids: &[Bson], owner: uuid::Uuid) -> Self {
-        Self {
-            store: store.clone(),
-            ids: ids.to_vec(),
-            owner,
-        }
-    }
-
     /// The rows are the caller's now.
     fn handed_over(&mut self) {
         self.ids.clear();
@@ -241,22 +232,16 @@ impl ClaimPath {
                 ))
                 .sort(shape.sort())
                 .limit(i64::from(batch_size))
-                .max_time(self.store.server_limit())
         });
         // Each record with its due instant, when its `Time` decodes. A record the decoder
         // rejects still joins the batch (to be parked), at the end of the range it matched.
-        let mut found: Vec<(Option<DateTime>, Document)> = Vec::new();
-        for docs in Store::timed(
-            "find",
-            futures::future::try_join_all(reads.map(IntoFuture::into_future)),
-        )
-        .await?
-        {
-            found.extend(
-                docs.into_iter()
-                    .map(|d| (TimeoutRecord::decode_due(&d, store.encoding), d)),
-            );
-        }
+        let reads = futures::future::try_join_all(reads.map(IntoFuture::into_future));
+        let mut found: Vec<(Option<DateTime>, Document)> = Store::timed("find", reads)
+            .await?
+            .into_iter()
+            .flatten()
+            .map(|d| (TimeoutRecord::decode_due(&d, store.encoding), d))
+            .collect();
         found.sort_by_key(|(due, _)| due.unwrap_or(range.to).timestamp_millis());
         found.truncate(batch_size as usize);
         let dues: Vec<DateTime> = found
@@ -325,7 +310,11 @@ impl ClaimPath {
         let horizon = if all_due { now } else { horizon };
         // From here until the rows are handed over, records may be leased to this owner: if
         // this future is dropped (its caller's deadline) or fails, they are freed at once.
-        let mut unclaimed = Unclaimed::new(store, &candidates, lease.owner);
+        let mut unclaimed = Unclaimed {
+            store: store.clone(),
+            ids: candidates.clone(),
+            owner: lease.owner,
+        };
         let taken = Store::timed(
             "claim",
             store
@@ -401,7 +390,6 @@ impl ClaimPath {
         let docs: Vec<Document> = store
             .coll
             .find(lease::held_many(candidates, lease.owner, store.clock.now()))
-            .max_time(self.store.server_limit())
             .await?;
         let mut rows: Vec<ClaimedRow> = docs
             .into_iter()
@@ -448,7 +436,7 @@ mod tests {
     async fn claim(docs: Vec<Document>, takes: u64, look_ahead: Duration) -> (Claim, Vec<Op>) {
         let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
         let ops = asked.clone();
-        let backend = Answering(move |op: Op| {
+        let backend = Answering::new(move |op: Op| {
             let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
             let reply = match &op {
                 Op::Find { .. } if ops.is_empty() => Reply::Docs(docs.clone()),

@@ -75,11 +75,10 @@ impl ServerClock {
         )
     }
 
-    fn last(&self) -> Option<Reading> {
-        match self.reading.lock() {
-            Ok(r) => *r,
-            Err(poisoned) => *poisoned.into_inner(),
-        }
+    /// `at` of the last reading; this host's wall clock before the first.
+    fn estimate(&self, at: impl FnOnce(Reading) -> i64) -> DateTime {
+        let last = *self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        DateTime::from_millis(last.map_or_else(|| self.local_ms(), at))
     }
 
     /// The current estimate of the server's clock: the last reading, taken as if at the
@@ -88,13 +87,10 @@ impl ServerClock {
     /// decision that a wrong guess would break: those use [`ServerClock::earliest`] and
     /// [`ServerClock::latest`].
     pub fn now(&self) -> DateTime {
-        match self.last() {
-            Some(r) => {
-                let midpoint = r.sent + r.received.saturating_duration_since(r.sent) / 2;
-                DateTime::from_millis(r.at(midpoint, Instant::now(), 0))
-            }
-            None => DateTime::from_millis(self.local_ms()),
-        }
+        self.estimate(|r| {
+            let midpoint = r.sent + r.received.saturating_duration_since(r.sent) / 2;
+            r.at(midpoint, Instant::now(), 0)
+        })
     }
 
     /// The earliest the server's clock can read now, given the last reading: as if the server
@@ -104,19 +100,13 @@ impl ServerClock {
     /// is off by up to half the round trip), and a server clock that runs up to
     /// [`MAX_DRIFT_PPM`] slower than this host's.
     pub fn earliest(&self) -> DateTime {
-        match self.last() {
-            Some(r) => DateTime::from_millis(r.at(r.received, Instant::now(), -MAX_DRIFT_PPM)),
-            None => DateTime::from_millis(self.local_ms()),
-        }
+        self.estimate(|r| r.at(r.received, Instant::now(), -MAX_DRIFT_PPM))
     }
 
     /// The latest the server's clock can read now: as if it read its clock as the request
     /// arrived (at `sent`). "How much of the lease is left?" asks this.
     pub fn latest(&self) -> DateTime {
-        match self.last() {
-            Some(r) => DateTime::from_millis(r.at(r.sent, Instant::now(), MAX_DRIFT_PPM)),
-            None => DateTime::from_millis(self.local_ms()),
-        }
+        self.estimate(|r| r.at(r.sent, Instant::now(), MAX_DRIFT_PPM))
     }
 
     /// Server minus local wall clock, in milliseconds (for the offset gauge and logs).
@@ -134,10 +124,7 @@ impl ServerClock {
             sent,
             received: received.max(sent),
         };
-        match self.reading.lock() {
-            Ok(mut r) => *r = Some(reading),
-            Err(poisoned) => *poisoned.into_inner() = Some(reading),
-        }
+        *self.reading.lock().unwrap_or_else(|e| e.into_inner()) = Some(reading);
         self.offset_ms()
     }
 }

@@ -1,6 +1,7 @@
 //! One collection over the [`Backend`]: the driver's call style (`coll.find(filter)
-//! .projection(..).limit(..).max_time(..).await`), each call built as one [`Op`] and run by
-//! the backend when awaited. Cheap to clone.
+//! .projection(..).limit(..).await`), each call built as one [`Op`] and run by the backend
+//! when awaited. Every read carries the collection's `maxTimeMS` ([`Coll::new`]): no call
+//! site can forget it. Cheap to clone.
 
 use std::fmt;
 use std::future::IntoFuture;
@@ -17,6 +18,8 @@ use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Writte
 pub struct Coll {
     backend: Arc<dyn Backend>,
     name: Arc<str>,
+    /// The `maxTimeMS` of every read ([`crate::store::Store::server_limit`]).
+    max_time: Duration,
 }
 
 impl fmt::Debug for Coll {
@@ -26,10 +29,12 @@ impl fmt::Debug for Coll {
 }
 
 impl Coll {
-    pub fn new(backend: Arc<dyn Backend>, name: &str) -> Self {
+    /// `name` of the backend's database, its reads under `maxTimeMS` = `max_time`.
+    pub fn new(backend: Arc<dyn Backend>, name: &str, max_time: Duration) -> Self {
         Self {
             backend,
             name: Arc::from(name),
+            max_time,
         }
     }
 
@@ -43,6 +48,11 @@ impl Coll {
         &self.backend
     }
 
+    /// The `maxTimeMS` of its reads, for the commands that read it (`listIndexes`, `count`).
+    pub fn max_time_ms(&self) -> i64 {
+        crate::store::max_time_ms(self.max_time)
+    }
+
     fn call<T>(&self, op: Op, reply: fn(Reply) -> Option<T>) -> Call<T> {
         Call {
             backend: self.backend.clone(),
@@ -54,7 +64,7 @@ impl Coll {
 
     /// The matching documents.
     pub fn find(&self, filter: Document) -> Call<Vec<Document>> {
-        self.call(find(filter, None), |r| match r {
+        self.call(self.find_op(filter, None), |r| match r {
             Reply::Docs(d) => Some(d),
             _ => None,
         })
@@ -62,10 +72,19 @@ impl Coll {
 
     /// The first matching document.
     pub fn find_one(&self, filter: Document) -> Call<Option<Document>> {
-        self.call(find(filter, Some(1)), |r| match r {
+        self.call(self.find_op(filter, Some(1)), |r| match r {
             Reply::Docs(d) => Some(d.into_iter().next()),
             _ => None,
         })
+    }
+
+    /// The `_id`s of the matching documents.
+    pub fn find_ids(&self, filter: Document) -> Call<Vec<Bson>> {
+        let ids = self.call(self.find_op(filter, None), |r| match r {
+            Reply::Docs(d) => Some(crate::record::ids_of(d)),
+            _ => None,
+        });
+        ids.projection(bson::doc! { "_id": 1 })
     }
 
     /// How many documents match (`countDocuments`).
@@ -73,7 +92,7 @@ impl Coll {
         let op = Op::Count {
             filter,
             limit: None,
-            max_time: None,
+            max_time: Some(self.max_time),
         };
         self.call(op, |r| match r {
             Reply::Count(n) => Some(n),
@@ -86,7 +105,7 @@ impl Coll {
         let op = Op::Distinct {
             field: field.to_owned(),
             filter,
-            max_time: None,
+            max_time: Some(self.max_time),
         };
         self.call(op, |r| match r {
             Reply::Values(v) => Some(v),
@@ -133,7 +152,7 @@ impl Coll {
             sort: None,
             upsert: false,
             return_new: false,
-            max_time: None,
+            max_time: Some(self.max_time),
         };
         self.call(op, |r| match r {
             Reply::Doc(d) => Some(d),
@@ -156,11 +175,7 @@ impl Coll {
     }
 
     pub fn insert_one(&self, doc: Document) -> Call<Written> {
-        let op = Op::Insert {
-            docs: vec![doc],
-            ordered: true,
-        };
-        self.call(op, written)
+        self.insert_many(vec![doc])
     }
 
     pub fn insert_many(&self, docs: Vec<Document>) -> Call<Written> {
@@ -173,22 +188,22 @@ impl Coll {
         )
     }
 
+    fn find_op(&self, filter: Document, limit: Option<i64>) -> Op {
+        Op::Find {
+            filter,
+            projection: None,
+            sort: None,
+            limit,
+            max_time: Some(self.max_time),
+        }
+    }
+
     /// A change stream of the collection, filtered by `pipeline`: raw change events.
     pub fn watch(
         &self,
         pipeline: Vec<Document>,
     ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
         self.backend.watch(&self.name, pipeline)
-    }
-}
-
-fn find(filter: Document, limit: Option<i64>) -> Op {
-    Op::Find {
-        filter,
-        projection: None,
-        sort: None,
-        limit,
-        max_time: None,
     }
 }
 
@@ -209,21 +224,7 @@ pub struct Call<T> {
     reply: fn(Reply) -> Option<T>,
 }
 
-impl<T> fmt::Debug for Call<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Call")
-            .field("coll", &self.coll)
-            .field("op", &self.op)
-            .finish()
-    }
-}
-
 impl<T> Call<T> {
-    /// The operation as it stands.
-    pub fn op(&self) -> &Op {
-        &self.op
-    }
-
     pub fn projection(mut self, p: Document) -> Self {
         if let Op::Find { projection, .. } = &mut self.op {
             *projection = Some(p);
@@ -244,18 +245,6 @@ impl<T> Call<T> {
         match &mut self.op {
             Op::Find { limit, .. } => *limit = Some(n),
             Op::Count { limit, .. } => *limit = Some(u64::try_from(n).unwrap_or(0)),
-            _ => {}
-        }
-        self
-    }
-
-    /// `maxTimeMS`.
-    pub fn max_time(mut self, t: Duration) -> Self {
-        match &mut self.op {
-            Op::Find { max_time, .. }
-            | Op::Count { max_time, .. }
-            | Op::Distinct { max_time, .. }
-            | Op::FindOneAndUpdate { max_time, .. } => *max_time = Some(t),
             _ => {}
         }
         self

@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::store::backend::ChangeStream;
 use crate::store::indexes::{create_index, index_spec};
 use crate::store::listing::show_instant;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, date, text};
 
 /// How long audit entries are kept.
 pub const AUDIT_RETENTION: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -101,17 +101,7 @@ fn ramp_id(destination: &str) -> String {
 }
 
 fn string(d: &Document, key: &str) -> String {
-    match d.get(key) {
-        Some(Bson::String(s)) => s.clone(),
-        _ => String::new(),
-    }
-}
-
-fn date(d: &Document, key: &str) -> Option<DateTime> {
-    match d.get(key) {
-        Some(Bson::DateTime(t)) => Some(*t),
-        _ => None,
-    }
+    text(d, key).unwrap_or_default()
 }
 
 impl Store {
@@ -246,13 +236,8 @@ impl Store {
     }
 
     async fn control_docs(&self, kind: &str) -> Result<Vec<Document>, StoreError> {
-        self.query(
-            self.control
-                .find(doc! { "kind": kind })
-                .limit(10_000)
-                .max_time(self.server_limit()),
-        )
-        .await
+        self.query(self.control.find(doc! { "kind": kind }).limit(10_000))
+            .await
     }
 
     /// What every instance obeys now.
@@ -306,15 +291,9 @@ impl Store {
                 crate::store::lease::due_by(now, &shapes),
                 mine.clone(),
             ]);
-            let limit = self.server_limit();
-            let due = self
-                .query(self.coll.count_documents(due).max_time(limit))
-                .await?;
+            let due = self.count(due).await?;
             let all = match total {
-                true => Some(
-                    self.query(self.coll.count_documents(mine).max_time(limit))
-                        .await?,
-                ),
+                true => Some(self.count(mine).await?),
                 false => None,
             };
             out.push((p, due, all));

@@ -10,7 +10,11 @@ use std::time::Duration;
 use bson::Document;
 use futures::future::BoxFuture;
 use futures::{StreamExt, TryStreamExt};
-use mongodb::options::{Acknowledgment, ClientOptions, ReturnDocument};
+use mongodb::options::{
+    Acknowledgment, ClientOptions, CountOptions, DistinctOptions, FindOneAndUpdateOptions,
+    FindOptions, ReturnDocument,
+};
+use mongodb::results::UpdateResult;
 use mongodb::{Client, Database};
 
 use crate::config::MongoConfig;
@@ -20,11 +24,11 @@ use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Writte
 /// MongoDB through the `mongodb` driver: one database of one client.
 #[derive(Debug, Clone)]
 pub struct Driver {
-    db: Database,
+    pub(crate) db: Database,
     /// The write concern and read preference the URI set, for
     /// [`crate::store::Store::durability_risks`].
-    write_concern: Option<mongodb::options::WriteConcern>,
-    selection: Option<mongodb::options::SelectionCriteria>,
+    pub(crate) write_concern: Option<mongodb::options::WriteConcern>,
+    pub(crate) selection: Option<mongodb::options::SelectionCriteria>,
 }
 
 impl Driver {
@@ -79,25 +83,18 @@ impl Driver {
             selection: None,
         }
     }
-
-    /// The database this backend runs on.
-    pub fn database(&self) -> &Database {
-        &self.db
-    }
-
-    /// The write concern the URI set, if any.
-    pub fn write_concern(&self) -> Option<&mongodb::options::WriteConcern> {
-        self.write_concern.as_ref()
-    }
-
-    /// The read preference the URI set, if any.
-    pub fn selection_criteria(&self) -> Option<&mongodb::options::SelectionCriteria> {
-        self.selection.as_ref()
-    }
 }
 
 async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoError> {
     let coll = db.collection::<Document>(&collection);
+    let updated = |r: UpdateResult| {
+        Reply::Written(Written {
+            matched: r.matched_count,
+            modified: r.modified_count,
+            upserted_id: r.upserted_id,
+            ..Written::default()
+        })
+    };
     match op {
         Op::Find {
             filter,
@@ -106,34 +103,22 @@ async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoErr
             limit,
             max_time,
         } => {
-            let mut find = coll.find(filter);
-            if let Some(p) = projection {
-                find = find.projection(p);
-            }
-            if let Some(s) = sort {
-                find = find.sort(s);
-            }
-            if let Some(l) = limit {
-                find = find.limit(l);
-            }
-            if let Some(t) = max_time {
-                find = find.max_time(t);
-            }
-            let docs: Vec<Document> = find.await?.try_collect().await?;
-            Ok(Reply::Docs(docs))
+            let options = FindOptions::builder()
+                .projection(projection)
+                .sort(sort)
+                .limit(limit)
+                .max_time(max_time)
+                .build();
+            let found = coll.find(filter).with_options(options).await?;
+            Ok(Reply::Docs(found.try_collect().await?))
         }
         Op::Count {
             filter,
             limit,
             max_time,
         } => {
-            let mut count = coll.count_documents(filter);
-            if let Some(l) = limit {
-                count = count.limit(l);
-            }
-            if let Some(t) = max_time {
-                count = count.max_time(t);
-            }
+            let options = CountOptions::builder().limit(limit).max_time(max_time);
+            let count = coll.count_documents(filter).with_options(options.build());
             Ok(Reply::Count(count.await?))
         }
         Op::Distinct {
@@ -141,43 +126,33 @@ async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoErr
             filter,
             max_time,
         } => {
-            let mut distinct = coll.distinct(field, filter);
-            if let Some(t) = max_time {
-                distinct = distinct.max_time(t);
-            }
-            Ok(Reply::Values(distinct.await?))
+            let options = DistinctOptions::builder().max_time(max_time).build();
+            let values = coll.distinct(field, filter).with_options(options);
+            Ok(Reply::Values(values.await?))
         }
         Op::Update {
             filter,
             update,
-            many,
+            many: true,
             upsert,
-        } => {
-            let r = if many {
-                coll.update_many(filter, update).upsert(upsert).await?
-            } else {
-                coll.update_one(filter, update).upsert(upsert).await?
-            };
-            Ok(Reply::Written(Written {
-                matched: r.matched_count,
-                modified: r.modified_count,
-                upserted_id: r.upserted_id,
-                ..Written::default()
-            }))
-        }
+        } => Ok(updated(
+            coll.update_many(filter, update).upsert(upsert).await?,
+        )),
+        Op::Update {
+            filter,
+            update,
+            upsert,
+            ..
+        } => Ok(updated(
+            coll.update_one(filter, update).upsert(upsert).await?,
+        )),
         Op::Replace {
             filter,
             replacement,
             upsert,
-        } => {
-            let r = coll.replace_one(filter, replacement).upsert(upsert).await?;
-            Ok(Reply::Written(Written {
-                matched: r.matched_count,
-                modified: r.modified_count,
-                upserted_id: r.upserted_id,
-                ..Written::default()
-            }))
-        }
+        } => Ok(updated(
+            coll.replace_one(filter, replacement).upsert(upsert).await?,
+        )),
         Op::FindOneAndUpdate {
             filter,
             update,
@@ -186,27 +161,22 @@ async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoErr
             return_new,
             max_time,
         } => {
-            let mut call = coll
-                .find_one_and_update(filter, update)
+            let options = FindOneAndUpdateOptions::builder()
+                .sort(sort)
                 .upsert(upsert)
-                .return_document(if return_new {
-                    ReturnDocument::After
-                } else {
-                    ReturnDocument::Before
-                });
-            if let Some(s) = sort {
-                call = call.sort(s);
-            }
-            if let Some(t) = max_time {
-                call = call.max_time(t);
-            }
-            Ok(Reply::Doc(call.await?))
+                .max_time(max_time)
+                .return_document(match return_new {
+                    true => ReturnDocument::After,
+                    false => ReturnDocument::Before,
+                })
+                .build();
+            let call = coll.find_one_and_update(filter, update);
+            Ok(Reply::Doc(call.with_options(options).await?))
         }
         Op::Delete { filter, many } => {
-            let r = if many {
-                coll.delete_many(filter).await?
-            } else {
-                coll.delete_one(filter).await?
+            let r = match many {
+                true => coll.delete_many(filter).await?,
+                false => coll.delete_one(filter).await?,
             };
             Ok(Reply::Written(Written {
                 deleted: r.deleted_count,
@@ -265,7 +235,8 @@ impl Backend for Driver {
         Box::pin(async move {
             // Dropped before the shutdown finished (its deadline), this clone is leaked on
             // purpose: the last drop of a client spawns an `endSessions` task that can race
-            // the runtime's end, and the driver panics (`connection_requester.rs:42`).
+            // the runtime's end, and the driver panics (`connection_requester.rs:42`, a send
+            // to its connection pool's stopped worker). Hence `Store::close` before the end.
             let kept = Leaked(Some(client.clone()));
             client.shutdown().await;
             kept.release();

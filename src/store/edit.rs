@@ -140,12 +140,7 @@ impl Store {
     /// The records `selector` names, as stored. Unknown ids are bad input.
     async fn select(&self, selector: &Selector) -> Result<Vec<Document>, OpsError> {
         let docs: Vec<Document> = self
-            .query(
-                self.coll
-                    .find(selector.filter())
-                    .limit(MAX_SELECTED)
-                    .max_time(self.server_limit()),
-            )
+            .query(self.coll.find(selector.filter()).limit(MAX_SELECTED))
             .await?;
         match selector {
             Selector::Ids(ids) => {
@@ -210,7 +205,8 @@ impl Store {
         let filter = lease::all_of([doc! { field::ID: { "$in": &ids } }, lease::claimable(now)]);
         let deleted = self.query(self.coll.delete_many(filter)).await?;
         let still_there = if deleted.deleted < ids.len() as u64 {
-            self.query(self.existing_raw(&ids)).await?
+            let existing = self.coll.find(doc! { field::ID: { "$in": &ids } });
+            self.query(existing).await?
         } else {
             Vec::new()
         };
@@ -275,11 +271,7 @@ impl Store {
                 continue;
             }
             let current = self
-                .query(
-                    self.coll
-                        .find_one(doc! { field::ID: id })
-                        .max_time(self.server_limit()),
-                )
+                .query(self.coll.find_one(doc! { field::ID: id }))
                 .await?;
             outcomes.push(match current {
                 Some(c) => outcome(self, &c, now, "left_leased", None),
@@ -287,17 +279,6 @@ impl Store {
             });
         }
         Ok(outcomes)
-    }
-
-    /// Of `ids`, the documents still in the collection.
-    async fn existing_raw(
-        &self,
-        ids: &[Bson],
-    ) -> Result<Vec<Document>, crate::store::backend::MongoError> {
-        self.coll
-            .find(doc! { field::ID: { "$in": ids } })
-            .max_time(self.server_limit())
-            .await
     }
 }
 

@@ -104,8 +104,8 @@ pub async fn follow<O, E>(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
 
     use bson::doc;
     use futures::FutureExt;
@@ -120,39 +120,49 @@ mod tests {
         unavailable: "no change stream in this test",
     };
 
-    /// Each event reaches the caller; a stream that ends is opened again one [`REOPEN`]
-    /// later, not before; shutdown ends the follower while it waits.
-    #[tokio::test(start_paused = true)]
-    async fn events_reach_the_caller_and_an_ended_stream_reopens_after_the_delay() {
-        // Never contacted: the opens below do not use it.
+    /// Follows what `open` (given the number of the open) opens, on a store never contacted;
+    /// returns the opens so far, the changes handed, the shutdown and the follower's task.
+    async fn following(
+        open: fn(i32) -> Result<ChangeStream, StoreError>,
+    ) -> (
+        Arc<AtomicUsize>,
+        Arc<Mutex<Vec<Change>>>,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
         let store = Store::connect(&MongoConfig::default(), ServerClock::default())
             .await
             .expect("store");
-        let opens = Arc::new(AtomicUsize::new(0));
+        let opens: Arc<AtomicUsize> = Arc::default();
+        let seen: Arc<Mutex<Vec<Change>>> = Arc::default();
         let shutdown = CancellationToken::new();
-        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let task = {
-            let (opens, shutdown, seen) = (opens.clone(), shutdown.clone(), seen.clone());
+            let (opens, seen, shutdown) = (opens.clone(), seen.clone(), shutdown.clone());
             crate::host::spawn(async move {
-                let on_event = |c: Change| {
-                    seen.lock().unwrap_or_else(|e| e.into_inner()).push(c);
-                };
-                // Each open: a stream of one event, numbered by the open, that then ends.
-                let open = |_: &Store| {
+                let opened = |_: &Store| {
                     let n = opens.fetch_add(1, Ordering::SeqCst) as i32;
-                    let events = vec![Ok(doc! { "n": n })];
-                    futures::stream::iter(events).boxed()
+                    open(n)
                 };
                 follow(
                     &store,
                     FOLLOWED,
-                    |s| futures::future::ready(Ok(open(s))).boxed(),
-                    on_event,
+                    |s| futures::future::ready(opened(s)).boxed(),
+                    |c| seen.lock().unwrap_or_else(|e| e.into_inner()).push(c),
                     &shutdown,
                 )
                 .await;
             })
         };
+        (opens, seen, shutdown, task)
+    }
+
+    /// Each event reaches the caller; a stream that ends is opened again one [`REOPEN`]
+    /// later, not before; shutdown ends the follower while it waits.
+    #[tokio::test(start_paused = true)]
+    async fn events_reach_the_caller_and_an_ended_stream_reopens_after_the_delay() {
+        // Each open: a stream of one event, numbered by the open, that then ends.
+        let (opens, seen, shutdown, task) =
+            following(|n| Ok(futures::stream::iter(vec![Ok(doc! { "n": n })]).boxed())).await;
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(opens.load(Ordering::SeqCst), 1);
         tokio::time::sleep(REOPEN).await;
@@ -167,28 +177,7 @@ mod tests {
     /// A failed open waits at least [`REOPEN`] before the next.
     #[tokio::test(start_paused = true)]
     async fn a_failed_open_waits_at_least_the_reopen_delay() {
-        let store = Store::connect(&MongoConfig::default(), ServerClock::default())
-            .await
-            .expect("store");
-        let opens = Arc::new(AtomicUsize::new(0));
-        let shutdown = CancellationToken::new();
-        let task = {
-            let (opens, shutdown) = (opens.clone(), shutdown.clone());
-            crate::host::spawn(async move {
-                let open = |_: &Store| {
-                    opens.fetch_add(1, Ordering::SeqCst);
-                    StoreError::NoServerTime
-                };
-                follow(
-                    &store,
-                    FOLLOWED,
-                    |s| futures::future::ready(Err(open(s))).boxed(),
-                    |_| {},
-                    &shutdown,
-                )
-                .await;
-            })
-        };
+        let (opens, _, shutdown, task) = following(|_| Err(StoreError::NoServerTime)).await;
         tokio::time::sleep(REOPEN - Duration::from_millis(10)).await;
         assert_eq!(opens.load(Ordering::SeqCst), 1);
         tokio::time::sleep(Duration::from_millis(20)).await;

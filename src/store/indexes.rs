@@ -1,7 +1,7 @@
 //! timeoutd's own indexes, and the start-up task that asks for them.
 //!
 //! Building an index never makes start-up fail: the daemon starts dispatching with the
-//! indexes that exist, while [`build`] asks for the missing ones in the background. On a
+//! indexes that exist, while [`run`] asks for the missing ones in the background. On a
 //! large collection `createIndexes` runs far longer than `[mongodb] operation_timeout`; its
 //! call then ends on the client while the build goes on on the server (no `maxTimeMS`: that
 //! would abort the build). The task lists the indexes again after each wait, keeps
@@ -70,9 +70,7 @@ impl Store {
     /// index made redundant that way (created before v7's appeared) is to be dropped; no
     /// index timeoutd did not create is ever touched.
     pub async fn index_plan(&self) -> Result<IndexPlan, StoreError> {
-        let existing = self
-            .query(list_indexes(&self.coll, self.server_limit()))
-            .await?;
+        let existing = self.query(list_indexes(&self.coll)).await?;
         let served = |first: &str, ours: &str| {
             existing
                 .iter()
@@ -125,10 +123,10 @@ impl Store {
     /// Drops timeoutd's own indexes that another index made redundant.
     async fn drop_redundant(&self, redundant: &[&'static str]) {
         for name in redundant {
-            let drop = self.run_command(self.command(doc! {
+            let drop = self.command(doc! {
                 "dropIndexes": self.coll.name(),
                 "index": *name,
-            }));
+            });
             match crate::deadline::within(self.op_timeout, "drop an index", drop).await {
                 Ok(_) => {
                     tracing::info!(
@@ -146,7 +144,7 @@ impl Store {
 
     /// Creates the indexes of [`Store::index_plan`] and drops the redundant ones, each under
     /// `operation_timeout`, in one go (the `ensure-indexes` path of tests and benchmarks; the
-    /// daemon uses [`build`]). Also warns when the collection is empty and the other spelling
+    /// daemon uses [`run`]). Also warns when the collection is empty and the other spelling
     /// of the ServiceConnect database holds records.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
         let plan = self.index_plan().await?;
@@ -167,12 +165,8 @@ impl Store {
         let Some((other, theirs)) = &self.other_spelling else {
             return;
         };
-        let ours = self
-            .query(estimated_count(&self.coll, self.server_limit()))
-            .await;
-        let theirs = self
-            .query(estimated_count(theirs, self.server_limit()))
-            .await;
+        let ours = self.query(estimated_count(&self.coll)).await;
+        let theirs = self.query(estimated_count(theirs)).await;
         if let (Ok(0), Ok(n)) = (ours, theirs)
             && n > 0
         {
@@ -218,12 +212,8 @@ fn namespace_not_found(e: &MongoError) -> bool {
 /// the collection does not exist. Any other error is an error: read as "no index", it made
 /// every round after a transient failure create indexes beside v7's that serve the same
 /// queries (and the plan never drops an index it did not find).
-pub(crate) async fn list_indexes(
-    coll: &Coll,
-    limit: Duration,
-) -> Result<Vec<(String, Document)>, MongoError> {
-    let command =
-        doc! { "listIndexes": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+pub(crate) async fn list_indexes(coll: &Coll) -> Result<Vec<(String, Document)>, MongoError> {
+    let command = doc! { "listIndexes": coll.name(), "maxTimeMS": coll.max_time_ms() };
     let reply = match coll.backend().command(command).await {
         Ok(reply) => reply,
         Err(e) if namespace_not_found(&e) => return Ok(Vec::new()),
@@ -252,8 +242,8 @@ pub(crate) async fn list_indexes(
 
 /// The estimated count of `coll` (the `count` command, as the driver's
 /// `estimated_document_count` sends it); 0 when it does not exist.
-async fn estimated_count(coll: &Coll, limit: Duration) -> Result<u64, MongoError> {
-    let command = doc! { "count": coll.name(), "maxTimeMS": crate::store::max_time_ms(limit) };
+async fn estimated_count(coll: &Coll) -> Result<u64, MongoError> {
+    let command = doc! { "count": coll.name(), "maxTimeMS": coll.max_time_ms() };
     match coll.backend().command(command).await {
         Ok(reply) => Ok(match reply.get("n") {
             Some(Bson::Int32(n)) => u64::try_from(*n).unwrap_or(0),
@@ -266,18 +256,10 @@ async fn estimated_count(coll: &Coll, limit: Duration) -> Result<u64, MongoError
     }
 }
 
-/// The daemon's `indexes` task: [`build`], then nothing until shutdown. Never waited for:
-/// dispatching starts with the indexes that exist while this asks for the missing ones (a
-/// build on a large collection outlasts any deadline).
+/// The daemon's `indexes` task (see the module): asks for timeoutd's indexes, and those of
+/// its parking, attempts and control collections, until every one exists; then waits for
+/// shutdown.
 pub async fn run(store: Store, shutdown: CancellationToken) {
-    build(store, shutdown.clone()).await;
-    shutdown.cancelled().await;
-}
-
-/// Asks for timeoutd's indexes (and those of its parking, attempts and control collections)
-/// and watches them until every one exists, or until shutdown. Never fails: a build that
-/// fails is logged with its reason and asked for again later.
-pub async fn build(store: Store, shutdown: CancellationToken) {
     let parking = store.parking();
     let own = async {
         let created = store.bounded("create parking indexes", parking.ensure_indexes());
@@ -351,7 +333,7 @@ pub async fn build(store: Store, shutdown: CancellationToken) {
             done = round => done,
         };
         if done {
-            break;
+            return shutdown.cancelled().await;
         }
         let next = listing.next_at().max(Instant::now() + CHECK_EVERY);
         tokio::select! {

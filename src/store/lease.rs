@@ -160,11 +160,8 @@ pub fn all_of<const N: usize>(clauses: [Document; N]) -> Document {
 /// The compare-and-swap claim: the claim's filter again, restricted to the candidates read
 /// (their `_id`s). A row a racing worker took since the candidates were read no longer
 /// matches and is skipped. A row whose `Time` changed since (rescheduled, by `timeoutd
-/// reschedule` or a ServiceConnect writer) is taken if it is still due by the horizon.
-/// [`crate::store::claim::ClaimPath::take`] then never schedules a record by a `Time` it read
-/// before: when every candidate was due as read, the horizon is the take's own instant, so
-/// whatever it takes is due and sent at once; otherwise it reads back what it took (step 5
-/// of the protocol) and schedules each record by the `Time` read back.
+/// reschedule` or a ServiceConnect writer) is taken if it is still due by the horizon; how
+/// the take then schedules it: [`crate::store::claim::ClaimPath::take`].
 pub fn claim_filter(
     now: DateTime,
     horizon: DateTime,

@@ -18,7 +18,7 @@ use uuid::Uuid;
 use crate::record::due::Shape;
 use crate::record::{TimeoutRecord, display_id, field};
 use crate::store::lease;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, date, text};
 
 /// The most rows one `list` returns, whatever `--limit` says.
 pub const MAX_LIMIT: u32 = 10_000;
@@ -94,19 +94,6 @@ pub fn show_instant(t: DateTime) -> Option<String> {
     t.try_to_rfc3339_string().ok()
 }
 
-/// The lease of a stored document as ServiceConnect and timeoutd write it: `Some(end)` when
-/// locked with an expiry, `Some(None)` when locked without one (another dispatcher's lock),
-/// `None` when free.
-pub fn lock_of(d: &Document) -> Option<Option<DateTime>> {
-    match d.get(field::LOCKED) {
-        Some(Bson::Boolean(true)) => Some(match d.get(field::LOCK_EXPIRES_AT) {
-            Some(Bson::DateTime(t)) => Some(*t),
-            _ => None,
-        }),
-        _ => None,
-    }
-}
-
 /// Whether a stored document is free at `now` by the rules of [`lease::claimable`]: not
 /// locked, or locked with a lease that has run out.
 pub fn is_free(d: &Document, now: DateTime) -> bool {
@@ -122,9 +109,14 @@ pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> L
     let owner = d
         .get(field::LOCKED_BY)
         .and_then(crate::record::guid::from_bson);
-    let (state, lease_end) = match (is_free(d, now), lock_of(d)) {
-        (false, Some(Some(end))) if retrying => (State::Retrying, Some(end)),
-        (false, Some(Some(end))) => (State::Leased, Some(end)),
+    // Locked with an expiry: timeoutd's lease (locked without one: another dispatcher's).
+    let lease = match d.get(field::LOCKED) {
+        Some(Bson::Boolean(true)) => date(d, field::LOCK_EXPIRES_AT),
+        _ => None,
+    };
+    let (state, lease_end) = match (is_free(d, now), lease) {
+        (false, Some(end)) if retrying => (State::Retrying, Some(end)),
+        (false, Some(end)) => (State::Leased, Some(end)),
         (false, _) => (State::Locked, None),
         (true, _) => match due {
             None => (State::Unschedulable, None),
@@ -138,10 +130,7 @@ pub fn describe(store: &Store, d: &Document, now: DateTime, retrying: bool) -> L
             .get(field::ID)
             .map(display_id)
             .unwrap_or_else(|| "-".into()),
-        destination: match d.get(field::DESTINATION) {
-            Some(Bson::String(s)) => Some(s.clone()),
-            _ => None,
-        },
+        destination: text(d, field::DESTINATION),
         correlation_id: d
             .get(field::PROCESS_MANAGER_ID)
             .and_then(crate::record::guid::from_bson)
@@ -218,7 +207,9 @@ impl Store {
             Some(State::Leased) => clauses.push(lease::held_any(now)),
             Some(State::Retrying) => {
                 clauses.push(lease::held_any(now));
-                let ids = self.retrying_ids().await?;
+                // The `_id`s with failed sends counted (at most [`MAX_LIMIT`] of them).
+                let counted = self.attempts.find_ids(doc! {});
+                let ids = self.query(counted.limit(i64::from(MAX_LIMIT))).await?;
                 clauses.push(doc! { field::ID: { "$in": ids } });
             }
             _ => {}
@@ -230,8 +221,7 @@ impl Store {
                 .coll
                 .find(doc! { "$and": all })
                 .sort(shape.sort())
-                .limit(i64::from(limit))
-                .max_time(self.server_limit());
+                .limit(i64::from(limit));
             find.into_future()
         });
         let found = self.query(futures::future::try_join_all(reads)).await?;
@@ -250,7 +240,15 @@ impl Store {
             .iter()
             .filter_map(|(_, d)| d.get(field::ID).cloned())
             .collect();
-        let retrying = self.with_attempts(&ids).await?;
+        // Of the rows, those with failed sends counted, keyed by their debug form.
+        let counted = match ids.is_empty() {
+            true => Vec::new(),
+            false => {
+                let counted = self.attempts.find_ids(doc! { field::ID: { "$in": ids } });
+                self.query(counted).await?
+            }
+        };
+        let retrying: HashSet<String> = counted.iter().map(|id| format!("{id:?}")).collect();
         let rows = docs
             .iter()
             .map(|(_, d)| {
@@ -267,39 +265,6 @@ impl Store {
             })
             .collect();
         Ok(rows)
-    }
-
-    /// The `_id`s with failed sends counted (at most [`MAX_LIMIT`] of them).
-    async fn retrying_ids(&self) -> Result<Vec<Bson>, StoreError> {
-        let docs: Vec<Document> = self
-            .query(
-                self.attempts
-                    .find(doc! {})
-                    .projection(doc! { field::ID: 1 })
-                    .limit(i64::from(MAX_LIMIT))
-                    .max_time(self.server_limit()),
-            )
-            .await?;
-        Ok(crate::record::ids_of(docs))
-    }
-
-    /// Of `ids`, those with failed sends counted, keyed by their debug form.
-    async fn with_attempts(&self, ids: &[Bson]) -> Result<HashSet<String>, StoreError> {
-        if ids.is_empty() {
-            return Ok(HashSet::new());
-        }
-        let docs: Vec<Document> = self
-            .query(
-                self.attempts
-                    .find(doc! { field::ID: { "$in": ids } })
-                    .projection(doc! { field::ID: 1 })
-                    .max_time(self.server_limit()),
-            )
-            .await?;
-        Ok(crate::record::ids_of(docs)
-            .iter()
-            .map(|id| format!("{id:?}"))
-            .collect())
     }
 
     /// Parked records as `list` shows them, oldest parked first.
@@ -322,8 +287,7 @@ impl Store {
                 self.parked
                     .find(doc! { "$and": clauses })
                     .sort(doc! { PARKED_AT: 1 })
-                    .limit(i64::from(limit))
-                    .max_time(self.server_limit()),
+                    .limit(i64::from(limit)),
             )
             .await?;
         let now = self.clock.now();

@@ -18,11 +18,11 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::record::{display_id, field};
-use crate::store::StoreError;
 use crate::store::clock::ServerClock;
 use crate::store::coll::Coll;
 use crate::store::indexes::{create_index, index_spec};
 use crate::store::lease;
+use crate::store::{StoreError, date, int, text};
 
 /// How long a failed-send count is kept after its last failure. A record that was sent in
 /// the end leaves its count behind; MongoDB's TTL monitor removes it after this.
@@ -120,31 +120,13 @@ pub enum Requeued {
 /// Access to the parking and attempts collections; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Parking {
-    timeouts: Coll,
-    parked: Coll,
-    attempts: Coll,
-    clock: ServerClock,
-    /// The `maxTimeMS` of its reads ([`crate::store::Store::server_limit`]).
-    server_limit: Duration,
+    pub(super) timeouts: Coll,
+    pub(super) parked: Coll,
+    pub(super) attempts: Coll,
+    pub(super) clock: ServerClock,
 }
 
 impl Parking {
-    pub(crate) fn new(
-        timeouts: Coll,
-        parked: Coll,
-        attempts: Coll,
-        clock: ServerClock,
-        server_limit: Duration,
-    ) -> Self {
-        Self {
-            timeouts,
-            parked,
-            attempts,
-            clock,
-            server_limit,
-        }
-    }
-
     /// The TTL index that clears old failed-send counts, and the parked listing order.
     pub async fn ensure_indexes(&self) -> Result<(), StoreError> {
         let ttl = index_spec(
@@ -179,7 +161,6 @@ impl Parking {
             .timeouts
             .find_one(lease::held_one(id, owner, now))
             .projection(doc! { field::ID: 1 })
-            .max_time(self.server_limit)
             .await?;
         if held.is_none() {
             return Ok(None);
@@ -200,14 +181,9 @@ impl Parking {
             )
             .upsert(true)
             .return_new(true)
-            .max_time(self.server_limit)
             .await?;
         let n = after
-            .and_then(|d| match d.get(attempt_field::ATTEMPTS) {
-                Some(Bson::Int32(n)) => Some(i64::from(*n)),
-                Some(Bson::Int64(n)) => Some(*n),
-                _ => None,
-            })
+            .and_then(|d| int(&d, attempt_field::ATTEMPTS))
             .unwrap_or(1);
         Ok(Some(n.clamp(1, i64::from(u32::MAX)) as u32))
     }
@@ -300,28 +276,19 @@ impl Parking {
             .parked
             .find(doc! {})
             .sort(doc! { parked_field::PARKED_AT: 1 })
-            .max_time(self.server_limit)
             .await?;
         Ok(docs.iter().map(to_listed).collect())
     }
 
     /// How many records are parked.
     pub async fn count(&self) -> Result<u64, StoreError> {
-        Ok(self
-            .parked
-            .count_documents(doc! {})
-            .max_time(self.server_limit)
-            .await?)
+        Ok(self.parked.count_documents(doc! {}).await?)
     }
 
     /// How many records have failed sends counted (retrying, or sent in the end and not yet
     /// cleared by the TTL monitor).
     pub async fn count_retrying(&self) -> Result<u64, StoreError> {
-        Ok(self
-            .attempts
-            .count_documents(doc! {})
-            .max_time(self.server_limit)
-            .await?)
+        Ok(self.attempts.count_documents(doc! {}).await?)
     }
 
     /// Finds the parked `_id` that `shown` names (as `parked list` prints it).
@@ -331,7 +298,6 @@ impl Parking {
             if self
                 .parked
                 .find_one(doc! { field::ID: id.clone() })
-                .max_time(self.server_limit)
                 .await?
                 .is_some()
             {
@@ -350,12 +316,7 @@ impl Parking {
     /// resets its count. The insert comes first, so a crash leaves two copies, not none.
     /// `None` if no such record is parked.
     pub async fn requeue(&self, id: &Bson) -> Result<Option<Requeued>, StoreError> {
-        let Some(parked) = self
-            .parked
-            .find_one(doc! { field::ID: id.clone() })
-            .max_time(self.server_limit)
-            .await?
-        else {
+        let Some(parked) = self.parked.find_one(doc! { field::ID: id.clone() }).await? else {
             return Ok(None);
         };
         self.requeue_parked(&parked).await.map(Some)
@@ -407,14 +368,8 @@ impl Parking {
 
     /// Every parked `_id`, oldest first.
     pub async fn all_ids(&self) -> Result<Vec<Bson>, StoreError> {
-        let docs: Vec<Document> = self
-            .parked
-            .find(doc! {})
-            .sort(doc! { parked_field::PARKED_AT: 1 })
-            .projection(doc! { field::ID: 1 })
-            .max_time(self.server_limit)
-            .await?;
-        Ok(crate::record::ids_of(docs))
+        let ids = self.parked.find_ids(doc! {});
+        Ok(ids.sort(doc! { parked_field::PARKED_AT: 1 }).await?)
     }
 
     /// Deletes parked record `id` for good; `false` if it was not parked.
@@ -438,19 +393,11 @@ fn to_listed(d: &Document) -> ParkedRecord {
     let record = d.get_document(parked_field::RECORD).ok();
     ParkedRecord {
         id: d.get(field::ID).map(display_id).unwrap_or_default(),
-        destination: record
-            .and_then(|r| r.get_str(field::DESTINATION).ok())
-            .map(str::to_string),
-        reason: d.get_str(parked_field::REASON).unwrap_or("").to_string(),
-        error: d.get_str(parked_field::ERROR).unwrap_or("").to_string(),
-        attempts: match d.get(parked_field::ATTEMPTS) {
-            Some(Bson::Int64(n)) => *n,
-            Some(Bson::Int32(n)) => i64::from(*n),
-            _ => 0,
-        },
-        parked_at: d
-            .get_datetime(parked_field::PARKED_AT)
-            .ok()
+        destination: record.and_then(|r| text(r, field::DESTINATION)),
+        reason: text(d, parked_field::REASON).unwrap_or_default(),
+        error: text(d, parked_field::ERROR).unwrap_or_default(),
+        attempts: int(d, parked_field::ATTEMPTS).unwrap_or(0),
+        parked_at: date(d, parked_field::PARKED_AT)
             .and_then(|t| t.try_to_rfc3339_string().ok())
             .unwrap_or_default(),
     }

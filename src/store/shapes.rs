@@ -5,12 +5,13 @@
 //! index), and `distinct("Time.1")`, the offsets of the `[ticks, offset]` records (MongoDB
 //! answers it from the `{"Time.1": 1, "Time.0": 1}` index with a DISTINCT_SCAN, one seek per
 //! distinct offset). Every [`REFRESH`] a background probe asks whether a record of a shape
-//! not yet known exists (`"Time.1": {$in: [every offset not seen]}`, index point seeks) and learns the
-//! set again only then, or every [`FULL_REFRESH`] (to drop offsets no record holds any
-//! more). A claim never waits for this except the first. A record whose offset no other
+//! not yet known exists (`"Time.1": {$in: [every offset not seen]}`, index point seeks) and
+//! learns the set again only then, or every [`FULL_REFRESH`] (to drop offsets no record holds
+//! any more). A claim never waits for this except the first. A record whose offset no other
 //! record had (a new time zone, a DST change) is served once the learner knows it: at once
-//! when the insert wake-up saw it ([`Shapes::inserted`]), otherwise from the next probe. The probe asks for quarter
-//! hours ([`PROBE_STEP_MINUTES`]); any other offset is served from the next full learn.
+//! when the insert wake-up saw it ([`Shapes::inserted`]), otherwise from the next probe. The
+//! probe asks for quarter hours ([`PROBE_STEP_MINUTES`]); any other offset is served from the
+//! next full learn.
 //!
 //! One learner, run as a task of its own ([`Learner::run`], the daemon's `shapes` task): it
 //! publishes what it learned, and the claim path and the monitor read that ([`Shapes`]). The
@@ -73,14 +74,12 @@ pub enum Shapes {
 impl Shapes {
     /// The shapes the collection holds now, read once (one-shot commands, tests).
     pub async fn read_now(store: &Store) -> Result<Self, StoreError> {
-        Ok(Self::Fixed(read_now(store).await?))
+        Ok(Self::Fixed(store.shapes().await?))
     }
 
-    /// The shapes to query now: the last published, after the first learn (waited for).
-    /// While none is known (an empty collection), the claim asks the learner to look again
-    /// and waits for that try (the learner takes an ask at most every
-    /// [`REFRESH_WHILE_EMPTY`]): a wake-up for a record inserted due soon finds it at once,
-    /// and a database that does not answer fails the claim, as every claim's query would.
+    /// The shapes to query now: the last published, after the first learn (waited for); while
+    /// none is known, after a try asked for (see the module): a wake-up for a record inserted
+    /// due soon finds it at once, and a database that does not answer fails the claim.
     pub async fn current(&self) -> Result<Vec<Shape>, StoreError> {
         let (mut rx, wanted) = match self {
             Shapes::Fixed(shapes) => return Ok(shapes.clone()),
@@ -211,12 +210,9 @@ pub fn learner(store: &Store) -> (Option<Learner>, Shapes) {
 }
 
 impl Learner {
-    /// Until shutdown: learns the set, then probes every [`REFRESH`], learning again when a
-    /// probe finds a new shape and every [`FULL_REFRESH`] (to drop offsets no record holds
-    /// any more). While the set is empty, a claim's ask comes sooner (at most every
-    /// [`REFRESH_WHILE_EMPTY`]), so that the first records inserted fire on time, and so
-    /// does an ask to learn again ([`Shapes::inserted`]). Failures are paced by [`Pacing`],
-    /// keeping the last set.
+    /// Until shutdown: learns, probes and learns again as the module says, and takes a
+    /// claim's ask while the set is empty and an ask to learn again ([`Shapes::inserted`]);
+    /// failures are paced by [`Pacing`], keeping the last set.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
@@ -279,12 +275,14 @@ impl Learner {
     }
 }
 
-/// The shapes the collection holds now, read once.
-pub async fn read_now(store: &Store) -> Result<Vec<Shape>, StoreError> {
-    if store.encoding == TimeEncoding::Date {
-        return Ok(vec![Shape::Date]);
+impl Store {
+    /// The `Time` shapes the collection holds now, read once.
+    pub async fn shapes(&self) -> Result<Vec<Shape>, StoreError> {
+        if self.encoding == TimeEncoding::Date {
+            return Ok(vec![Shape::Date]);
+        }
+        Ok(Store::timed("shapes", read_shapes(self)).await?.0)
     }
-    Ok(Store::timed("shapes", read_shapes(store)).await?.0)
 }
 
 /// Whether a record of a shape not in `shapes` exists: a date when none is known, or an
@@ -303,8 +301,7 @@ async fn probe_finds_new(
                 store
                     .coll
                     .find_one(doc! { field::TIME_OFFSET: { "$in": unseen_offsets(&seen) } })
-                    .projection(doc! { field::ID: 1 })
-                    .max_time(store.server_limit()),
+                    .projection(doc! { field::ID: 1 }),
             )
             .await?;
         return Ok(new_offset.is_some());
@@ -350,7 +347,6 @@ async fn any_date(store: &Store) -> Result<bool, StoreError> {
                 .coll
                 .find_one(any_date_filter())
                 .projection(doc! { field::ID: 1 })
-                .max_time(store.server_limit())
                 .await
         })
         .await?;
@@ -392,7 +388,6 @@ async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreErro
                 store
                     .coll
                     .distinct(field::TIME_OFFSET, Document::new())
-                    .max_time(store.server_limit())
                     .await
             })
             .await?;
@@ -450,7 +445,7 @@ mod tests {
         let answering = backend.clone();
         let config = MongoConfig::default();
         let store = Store::with_backend(
-            Arc::new(Answering(move |op| answering.answer(op))),
+            Arc::new(Answering::new(move |op| answering.answer(op))),
             &config,
             ServerClock::default(),
         );

@@ -204,22 +204,11 @@ fn id_key(id: &Bson) -> Vec<u8> {
     key
 }
 
-/// An integer field of a stored row, of either width.
-pub(crate) fn int(d: &Document, key: &str) -> Option<i64> {
-    match d.get(key) {
-        Some(Bson::Int64(n)) => Some(*n),
-        Some(Bson::Int32(n)) => Some(i64::from(*n)),
-        _ => None,
-    }
-}
-
 impl Store {
     /// The history collection: `<collection>_history`.
     pub fn history(&self) -> Coll {
-        Coll::new(
-            self.backend.clone(),
-            &format!("{}_history", self.coll.name()),
-        )
+        let name = format!("{}_history", self.coll.name());
+        Coll::new(self.backend.clone(), &name, self.server_limit())
     }
 
     /// The TTL index on the send time (`keep`; an existing index with another expiry is
@@ -316,13 +305,15 @@ impl Store {
             .attempts
             .find(doc! { "_id": { "$in": ids } })
             .projection(doc! { "attempts": 1 })
-            .max_time(self.server_limit())
             .await?;
         Ok(counted
             .iter()
             .filter_map(|c| {
                 let id = c.get("_id")?;
-                Some((id_key(id), int(c, "attempts").unwrap_or(0).max(0)))
+                Some((
+                    id_key(id),
+                    crate::store::int(c, "attempts").unwrap_or(0).max(0),
+                ))
             })
             .collect())
     }

@@ -1,12 +1,12 @@
 //! The reads of `timeoutd history`: rows of `<collection>_history`, newest first, each field
 //! read as hostile (a missing or mistyped one is shown as absent).
 
-use bson::{Bson, DateTime, Document, doc};
+use bson::{DateTime, Document, doc};
 use serde::Serialize;
 
-use crate::store::history::{field, int};
+use crate::store::history::field;
 use crate::store::listing::show_instant;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, date, int, text};
 
 /// What `timeoutd history` selects.
 #[derive(Debug, Clone, Default)]
@@ -37,18 +37,8 @@ pub struct Entry {
     pub detail: Option<String>,
 }
 
-fn text(d: &Document, key: &str) -> Option<String> {
-    match d.get(key) {
-        Some(Bson::String(s)) => Some(s.clone()),
-        _ => None,
-    }
-}
-
 fn instant(d: &Document, key: &str) -> Option<String> {
-    match d.get(key) {
-        Some(Bson::DateTime(t)) => show_instant(*t),
-        _ => None,
-    }
+    date(d, key).and_then(show_instant)
 }
 
 impl Entry {
@@ -91,8 +81,7 @@ impl Store {
                 self.history()
                     .find(filter)
                     .sort(doc! { field::AT: -1 })
-                    .limit(f.limit)
-                    .max_time(self.server_limit()),
+                    .limit(f.limit),
             )
             .await?;
         Ok(docs.iter().map(Entry::from_doc).collect())
