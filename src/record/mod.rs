@@ -85,8 +85,9 @@ const DISCRIMINATED_VALUE: &str = "_v";
 
 /// Stored header values with the C# driver's discriminated form (`{_t, _v}`, used for
 /// `object`-typed values such as the `byte[]` headers that arrived from RabbitMQ) unwrapped
-/// to their `_v`, so that [`crate::record::message`] formats the value itself.
-fn normalize_headers(headers: &Document) -> Document {
+/// to their `_v`, so that [`crate::record::message`] formats the value itself. Public for the
+/// fuzz target `decode_record`, which drives it on its own.
+pub fn normalize_headers(headers: &Document) -> Document {
     let unwrapped = |value: &Bson| match value {
         Bson::Document(d)
             if d.len() == 2 && matches!(d.get(DISCRIMINATOR), Some(Bson::String(_))) =>
