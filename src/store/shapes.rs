@@ -116,8 +116,12 @@ impl Shapes {
         let shape = match time {
             Some(Bson::DateTime(_)) if encoding.reads_dates() => Shape::Date,
             Some(Bson::Array(a)) if encoding.reads_ticks() => {
-                match due::servable_offsets(a.get(1).map(std::slice::from_ref).unwrap_or(&[]))[..] {
-                    [offset] => Shape::Ticks(offset),
+                let offset = a.get(1).and_then(due::whole_number);
+                match offset
+                    .filter(|o| due::offset_in_range(*o))
+                    .map(i32::try_from)
+                {
+                    Some(Ok(offset)) => Shape::Ticks(offset),
                     _ => return,
                 }
             }

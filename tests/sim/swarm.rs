@@ -443,12 +443,10 @@ impl Scenario {
     /// it stays silent until the client's dead-peer timeout
     /// ([`crate::sim::rabbit::DEAD_PEER_TIMEOUT`]): a publish on it waits for its deadline,
     /// and what is held waits with it.
-    pub fn calm_from_ms(&self) -> u64 {
-        let k = &self.knobs;
+    fn calm_from_ms(k: &Knobs, faults: &[Fault], faults_end_ms: u64) -> u64 {
         let paced = timeoutd::store::pacing::RETRY_CAP.as_millis() as u64 + k.op_timeout_ms;
         let calls = 2 * (k.op_timeout_ms + k.publish_timeout_ms + k.connect_timeout_ms);
-        let hung = self
-            .faults
+        let hung = faults
             .iter()
             .any(|f| matches!(&f.kind, FaultKind::RabbitModel { name, .. } if name == "node_hang"));
         let dead_peer = if hung {
@@ -456,7 +454,7 @@ impl Scenario {
         } else {
             0
         };
-        self.faults_end_ms + paced.max(15_000).max(dead_peer) + calls + k.shutdown_timeout_ms
+        faults_end_ms + paced.max(15_000).max(dead_peer) + calls + k.shutdown_timeout_ms
     }
 
     /// How late a record due in the calm may reach the broker, in ms: a claim reads
@@ -485,19 +483,7 @@ impl Scenario {
         if knobs.max_rate.is_some() || !knobs.destination_rates.is_empty() || !d.chance(0.5) {
             return Vec::new();
         }
-        let probe = Scenario {
-            seed,
-            knobs: knobs.clone(),
-            start_unix_ms: 0,
-            instances: Vec::new(),
-            destinations: Vec::new(),
-            records: Vec::new(),
-            faults: faults.to_vec(),
-            actions: Vec::new(),
-            reschedule_on_read: 0.0,
-            faults_end_ms,
-        };
-        let calm = probe.calm_from_ms();
+        let calm = Self::calm_from_ms(knobs, faults, faults_end_ms);
         let look_ahead = knobs.look_ahead_ms.unwrap_or(2 * knobs.poll_ms);
         let mut due = calm + look_ahead + knobs.poll_ms;
         (0..d.range(1, 4))
