@@ -61,7 +61,18 @@ struct WaveTokens {
 enum Role {
     Claim,
     Link,
-    Settle,
+    /// Settling work of this many records.
+    Settle {
+        records: usize,
+    },
+}
+
+/// The records a task of `role` settles (none, for a task that does not settle).
+fn settles(role: Option<Role>) -> usize {
+    match role {
+        Some(Role::Settle { records }) => records,
+        _ => 0,
+    }
 }
 
 /// The dispatch loop: the machine and what runs its commands. One per process.
@@ -277,11 +288,8 @@ impl Dispatcher {
 
     /// A task ended: what it reports, as the machine's input.
     fn finished(&mut self, done: Result<(Id, Done), tokio::task::JoinError>) -> Input {
-        let done = match done {
-            Ok((id, done)) => {
-                self.roles.remove(&id);
-                done
-            }
+        let (done, role) = match done {
+            Ok((id, done)) => (done, self.roles.remove(&id)),
             Err(e) => {
                 tracing::error!(error = %e, "a dispatch task died");
                 return match self.roles.remove(&e.id()) {
@@ -298,12 +306,15 @@ impl Dispatcher {
                         let why = StoreError::Panicked("the claim task died".into());
                         Input::Claimed(Err(why))
                     }
-                    Some(Role::Settle) | None => {
+                    role @ (Some(Role::Settle { .. }) | None) => {
                         tracing::error!(
                             "settling panicked; its records come back when their lease expires"
                         );
                         self.claims.released();
-                        Input::Settled { refused: None }
+                        Input::Settled {
+                            records: settles(role),
+                            refused: None,
+                        }
                     }
                 };
             }
@@ -326,7 +337,10 @@ impl Dispatcher {
                 if released {
                     self.claims.released();
                 }
-                Input::Settled { refused }
+                Input::Settled {
+                    records: settles(role),
+                    refused,
+                }
             }
         }
     }
@@ -414,7 +428,8 @@ impl Dispatcher {
         };
         // A refused send may be released for a retry too.
         let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
-        self.spawn(Role::Settle, async move {
+        let records = work.records();
+        self.spawn(Role::Settle { records }, async move {
             settler.run(work).await;
             Done::Settled { refused, released }
         });

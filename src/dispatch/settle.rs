@@ -96,7 +96,12 @@ pub struct SettleQueue {
 impl SettleQueue {
     /// Whether no claim may start: `cap` records or more wait to settle.
     pub fn is_full(&self, cap: usize) -> bool {
-        self.work.iter().map(Settle::records).sum::<usize>() >= cap.max(1)
+        self.records() >= cap.max(1)
+    }
+
+    /// The records waiting to settle.
+    pub fn records(&self) -> usize {
+        self.work.iter().map(Settle::records).sum()
     }
 
     pub fn is_empty(&self) -> bool {

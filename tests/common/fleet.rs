@@ -242,6 +242,34 @@ impl Daemon {
     }
 }
 
+/// A test that fails with a daemon still running prints that daemon's warnings and errors
+/// (the last [`LINES_ON_FAILURE`]), so a failure seen once, on CI, says what the daemon saw.
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let Ok(logs) = self.logs.lock() else { return };
+        let notable: Vec<&String> = logs
+            .iter()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .collect();
+        let skip = notable.len().saturating_sub(LINES_ON_FAILURE);
+        eprintln!(
+            "--- {}: {} warnings and errors in {} log lines{} ---",
+            self.name,
+            notable.len(),
+            logs.len(),
+            if skip > 0 { ", the last ones" } else { "" }
+        );
+        for line in &notable[skip..] {
+            eprintln!("{line}");
+        }
+    }
+}
+
+const LINES_ON_FAILURE: usize = 300;
+
 /// One GET; `(status, body)`. Panics when nothing answers.
 pub async fn http_get(url: String) -> (u16, String) {
     tokio::task::spawn_blocking(move || {
