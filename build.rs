@@ -1,5 +1,5 @@
 //! Build identity: the git commit and the build date, for `timeoutd --version`,
-//! `timeoutd_build_info` and the start-up log line (see `src/buildinfo.rs`).
+//! `timeoutd_build_info` and the start-up log line (see `src/service/buildinfo.rs`).
 //!
 //! The commit is `TIMEOUTD_GIT_REVISION` when set (a Docker build, whose context has no
 //! `.git`), else `git rev-parse HEAD`, else `unknown`: a build outside git, or without git

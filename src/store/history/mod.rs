@@ -223,7 +223,8 @@ impl Store {
                 "collMod": coll.name(),
                 "index": { "name": TTL_INDEX, "expireAfterSeconds": secs },
             };
-            self.query(self.backend.command(change))
+            let change = self.command(change);
+            crate::deadline::within(self.op_timeout, "change the history's expiry", change)
                 .await
                 .map_err(|_| e)?;
         }
@@ -316,5 +317,49 @@ impl Store {
                 ))
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::config::MongoConfig;
+    use crate::store::ServerClock;
+    use crate::store::backend::{Answering, Op, Reply, command_error};
+
+    /// A `keep` changed since the TTL index was made is applied with `collMod`, which carries
+    /// the server's deadline like every command but `createIndexes` (it went without one).
+    #[tokio::test]
+    async fn a_changed_keep_is_applied_under_max_time() {
+        let sent: Arc<Mutex<Vec<Document>>> = Arc::default();
+        let kept = sent.clone();
+        let command = move |c: Document| {
+            kept.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(c.clone());
+            let ttl = c.contains_key("createIndexes") && c.to_string().contains(TTL_INDEX);
+            match ttl {
+                true => Err(command_error(85, "IndexOptionsConflict", "another expiry")),
+                false => Ok(doc! { "ok": 1 }),
+            }
+        };
+        let ops = |_: Op| Ok(Reply::Docs(Vec::new()));
+        let backend = Arc::new(Answering(ops, command));
+        let config = MongoConfig::default();
+        let store = Store::with_backend(backend, &config, ServerClock::default());
+        store
+            .ensure_history_indexes(Duration::from_secs(3_600))
+            .await
+            .expect("the indexes");
+        let sent = sent.lock().unwrap_or_else(|e| e.into_inner());
+        let change = sent.iter().find(|c| c.contains_key("collMod"));
+        let limit = crate::store::max_time_ms(store.server_limit());
+        assert_eq!(
+            change.and_then(|c| c.get("maxTimeMS")),
+            Some(&Bson::Int64(limit)),
+            "{sent:?}"
+        );
     }
 }
