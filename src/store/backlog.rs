@@ -69,13 +69,9 @@ impl Store {
                 count(lease::all_of([lease::due_by(now, shapes), of_paused])).await?
             }
         };
-        let mut oldest_due: Option<DateTime> = None;
+        let oldest_due = self.oldest_due(now, shapes, &paused).await?;
         let mut oldest_unclaimed: Option<(DateTime, Bson)> = None;
         for shape in shapes {
-            let due = lease::all_of([shape.due_between(None, now)]);
-            if let Some((at, _)) = self.oldest(*shape, lease::except(due, &paused)).await? {
-                oldest_due = Some(oldest_due.map_or(at, |o| o.min(at)));
-            }
             let unclaimed = lease::due_within(now, None, now, std::slice::from_ref(shape));
             let found = self
                 .oldest(*shape, lease::except(unclaimed, &left_out))
@@ -92,6 +88,24 @@ impl Store {
             paused_due,
             oldest_unclaimed: oldest_unclaimed.map(|(at, id)| (id, at)),
         })
+    }
+
+    /// The due instant of the oldest due record (leased or not) over `shapes`, of a
+    /// destination not in `left_out`: the monitor's reading and `timeoutd stats` alike.
+    pub(crate) async fn oldest_due(
+        &self,
+        now: DateTime,
+        shapes: &[Shape],
+        left_out: &[String],
+    ) -> Result<Option<DateTime>, StoreError> {
+        let mut oldest: Option<DateTime> = None;
+        for shape in shapes {
+            let due = lease::all_of([shape.due_between(None, now)]);
+            if let Some((at, _)) = self.oldest(*shape, lease::except(due, left_out)).await? {
+                oldest = Some(oldest.map_or(at, |o| o.min(at)));
+            }
+        }
+        Ok(oldest)
     }
 
     /// The oldest record of `shape` that `filter` matches: its due instant (the end of the

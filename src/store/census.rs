@@ -108,27 +108,6 @@ impl Store {
         doc! { "$nor": [due::schedulable(self.encoding)] }
     }
 
-    async fn oldest_due_age(
-        &self,
-        now: DateTime,
-        shapes: &[Shape],
-    ) -> Result<Option<f64>, StoreError> {
-        let mut oldest: Option<DateTime> = None;
-        for shape in shapes {
-            let first = self
-                .query(
-                    self.coll
-                        .find_one(shape.due_between(None, now))
-                        .sort(shape.sort()),
-                )
-                .await?;
-            if let Some(due) = first.and_then(|d| TimeoutRecord::decode_due(&d, self.encoding)) {
-                oldest = Some(oldest.map_or(due, |o| o.min(due)));
-            }
-        }
-        Ok(oldest.map(|due| crate::store::backlog::age_seconds(now, due)))
-    }
-
     /// Counts for operators.
     pub async fn stats(&self) -> Result<Stats, StoreError> {
         let shapes = self.shapes().await?;
@@ -149,7 +128,9 @@ impl Store {
             parking.count_retrying(),
         )?;
         let odd_locked = self.count(odd_locked_filter()).await?;
-        let oldest_due_age_seconds = self.oldest_due_age(now, &shapes).await?;
+        let oldest_due = self.oldest_due(now, &shapes, &[]).await?;
+        let oldest_due_age_seconds =
+            oldest_due.map(|at| crate::store::backlog::age_seconds(now, at));
         Ok(Stats {
             pending,
             due,
