@@ -11,11 +11,11 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use bson::{Bson, DateTime, Document, doc};
+use bson::{Bson, Document, doc};
 use serde::Serialize;
 
-use crate::record::due::{self, Shape};
-use crate::record::{TimeoutRecord, display_id, field};
+use crate::record::due;
+use crate::record::{display_id, field};
 use crate::store::lease;
 use crate::store::{Store, StoreError};
 
