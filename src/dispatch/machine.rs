@@ -749,6 +749,13 @@ impl Machine {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
             return self.settle.release(rows, "shutdown");
         }
+        // Publishes went unconfirmed while it was taking: the records they released may be
+        // among its rows (their leases ran out during the wave), and none may go out again
+        // before the hold-off ends, as none is taken after it began (simulation seed 5067).
+        if now.at < self.claims.not_before {
+            let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
+            return self.settle.release(rows, "publish_failed");
+        }
         for row in claim.rows {
             match triage(row.record) {
                 Ok(record) => self.held.push(Leased {

@@ -368,6 +368,43 @@ fn a_copy_claimed_again_during_an_unconfirmed_wave_waits_for_the_hold_off() {
     assert!(released, "{:?}", r.m.settle.work().collect::<Vec<_>>());
 }
 
+/// Seed 5067 again, the copy taken by a claim that was still taking when the wave gave up:
+/// the wave's records were released, but the claim's rows, the copy among them, came back
+/// after it and went out in the next wave, inside the hold-off after unconfirmed waves.
+/// A claim that returns during the hold-off releases what it took.
+#[test]
+fn a_copy_taken_by_a_claim_running_when_a_wave_went_unconfirmed_waits_for_the_hold_off() {
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(3));
+    r.publish();
+    // The broker answers the wave's other publishes and withholds this one's confirm, while a
+    // claim, beside it, reads the record whose lease ran out and takes it.
+    r.handle(Input::Answered);
+    r.candidates(&[1]);
+    let commands = r.commands();
+    assert!(
+        matches!(commands[..], [Command::Take { .. }]),
+        "{commands:?}"
+    );
+    r.sent(SendOutcome::TimedOut, OPEN);
+    let new = r.lease(300);
+    r.handle(Input::Claimed(Ok(claim_of(
+        vec![leased(1, r.server(), new)],
+        new,
+    ))));
+    let commands = r.commands();
+    assert!(
+        !commands
+            .iter()
+            .any(|c| matches!(c, Command::Publish { .. })),
+        "sent again inside the hold-off: {commands:?}"
+    );
+    let released = commands.iter().any(|c| {
+        matches!(c, Command::Settle(Settle::Release { ids, lease, .. }) if ids.contains(&Bson::Int32(1)) && lease.owner == new.owner)
+    });
+    assert!(released, "{commands:?}");
+}
+
 /// Finding 4 of issue 19: after a suspect link, a record that fell due was built into a
 /// wave before the reconnect, against the wrong `frame_max`. A record due while the link
 /// is down waits for the connect (then it is released, not sent, if the connect waits out
