@@ -196,7 +196,8 @@ struct Claims {
     next_at: Instant,
     /// A wake-up came while a claim ran: claim again as soon as it returns.
     woken: bool,
-    /// No claim before this (publishes went unconfirmed), whatever else says "at once".
+    /// No claim before this (publishes went unconfirmed, or a claim failed), whatever else
+    /// says "at once".
     not_before: Instant,
     /// Spaces claims after failures (and after a timed-out one, not before its abandoned run
     /// ended on the server: `[mongodb] operation_timeout` more).
@@ -229,11 +230,14 @@ impl Claims {
         };
     }
 
-    /// A claim failed: try again after `wait` (a wake-up does not hurry a failing server).
+    /// A claim failed: try again after `wait`, and not before (a wake-up does not hurry a
+    /// failing server: one that came once the claim had failed set the next claim at once,
+    /// beside a timed-out run the server may still be running).
     fn failed(&mut self, wait: Duration, at: Instant) {
         self.step = Step::Idle;
         self.woken = false;
         self.next_at = at + wait;
+        self.hold_off(wait, at);
     }
 
     fn hold_off(&mut self, wait: Duration, at: Instant) {
@@ -744,6 +748,13 @@ impl Machine {
         if self.stopping.is_some() {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
             return self.settle.release(rows, "shutdown");
+        }
+        // Publishes went unconfirmed while it was taking: the records they released may be
+        // among its rows (their leases ran out during the wave), and none may go out again
+        // before the hold-off ends, as none is taken after it began (simulation seed 5067).
+        if now.at < self.claims.not_before {
+            let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
+            return self.settle.release(rows, "publish_failed");
         }
         for row in claim.rows {
             match triage(row.record) {

@@ -368,6 +368,43 @@ fn a_copy_claimed_again_during_an_unconfirmed_wave_waits_for_the_hold_off() {
     assert!(released, "{:?}", r.m.settle.work().collect::<Vec<_>>());
 }
 
+/// Seed 5067 again, the copy taken by a claim that was still taking when the wave gave up:
+/// the wave's records were released, but the claim's rows, the copy among them, came back
+/// after it and went out in the next wave, inside the hold-off after unconfirmed waves.
+/// A claim that returns during the hold-off releases what it took.
+#[test]
+fn a_copy_taken_by_a_claim_running_when_a_wave_went_unconfirmed_waits_for_the_hold_off() {
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(3));
+    r.publish();
+    // The broker answers the wave's other publishes and withholds this one's confirm, while a
+    // claim, beside it, reads the record whose lease ran out and takes it.
+    r.handle(Input::Answered);
+    r.candidates(&[1]);
+    let commands = r.commands();
+    assert!(
+        matches!(commands[..], [Command::Take { .. }]),
+        "{commands:?}"
+    );
+    r.sent(SendOutcome::TimedOut, OPEN);
+    let new = r.lease(300);
+    r.handle(Input::Claimed(Ok(claim_of(
+        vec![leased(1, r.server(), new)],
+        new,
+    ))));
+    let commands = r.commands();
+    assert!(
+        !commands
+            .iter()
+            .any(|c| matches!(c, Command::Publish { .. })),
+        "sent again inside the hold-off: {commands:?}"
+    );
+    let released = commands.iter().any(|c| {
+        matches!(c, Command::Settle(Settle::Release { ids, lease, .. }) if ids.contains(&Bson::Int32(1)) && lease.owner == new.owner)
+    });
+    assert!(released, "{commands:?}");
+}
+
 /// Finding 4 of issue 19: after a suspect link, a record that fell due was built into a
 /// wave before the reconnect, against the wrong `frame_max`. A record due while the link
 /// is down waits for the connect (then it is released, not sent, if the connect waits out
@@ -446,6 +483,31 @@ fn a_claim_task_that_died_while_reading_does_not_stop_the_claims() {
     r.handle(Input::Claimed(Err(died)));
     r.advance(RETRY_CAP);
     assert!(r.reads(), "no claim after the task died");
+}
+
+/// A claim that failed is tried again after its back-off, and after a timeout one more
+/// `operation_timeout`, when the server's `maxTimeMS` has ended the abandoned run. A
+/// wake-up (an insert, a change of pauses or shapes) that came once the claim had failed
+/// set the next claim at once: a struggling database got the claim again at every insert,
+/// beside the run it had not finished.
+#[test]
+fn a_wake_up_does_not_hurry_a_claim_after_it_failed() {
+    let config = Config::default();
+    let operation_timeout = config.mongodb.operation_timeout;
+    let mut r = Rig::up(config);
+    assert!(r.reads());
+    let timed_out = StoreError::Deadline(crate::deadline::Elapsed {
+        what: "read claim candidates",
+        limit: operation_timeout,
+    });
+    r.handle(Input::Candidates(Err(timed_out)));
+    r.handle(Input::Inserted);
+    assert!(!r.reads(), "a wake-up hurried the claim after a failure");
+    r.advance(operation_timeout - Duration::from_millis(1));
+    r.handle(Input::Inserted);
+    assert!(!r.reads(), "claimed while the abandoned run may still run");
+    r.advance(RETRY_CAP);
+    assert!(r.reads(), "claims again after the back-off");
 }
 
 /// A claim that starts while a wave has given up on its confirms unanswered takes
