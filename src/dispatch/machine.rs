@@ -196,8 +196,7 @@ struct Claims {
     next_at: Instant,
     /// A wake-up came while a claim ran: claim again as soon as it returns.
     woken: bool,
-    /// No claim before this (publishes went unconfirmed, or a claim failed), whatever else
-    /// says "at once".
+    /// No claim before this (publishes went unconfirmed), whatever else says "at once".
     not_before: Instant,
     /// Spaces claims after failures (and after a timed-out one, not before its abandoned run
     /// ended on the server: `[mongodb] operation_timeout` more).
@@ -230,14 +229,11 @@ impl Claims {
         };
     }
 
-    /// A claim failed: try again after `wait`, and not before (a wake-up does not hurry a
-    /// failing server: one that came once the claim had failed set the next claim at once,
-    /// beside a timed-out run the server may still be running).
+    /// A claim failed: try again after `wait` (a wake-up does not hurry a failing server).
     fn failed(&mut self, wait: Duration, at: Instant) {
         self.step = Step::Idle;
         self.woken = false;
         self.next_at = at + wait;
-        self.hold_off(wait, at);
     }
 
     fn hold_off(&mut self, wait: Duration, at: Instant) {

@@ -485,31 +485,6 @@ fn a_claim_task_that_died_while_reading_does_not_stop_the_claims() {
     assert!(r.reads(), "no claim after the task died");
 }
 
-/// A claim that failed is tried again after its back-off, and after a timeout one more
-/// `operation_timeout`, when the server's `maxTimeMS` has ended the abandoned run. A
-/// wake-up (an insert, a change of pauses or shapes) that came once the claim had failed
-/// set the next claim at once: a struggling database got the claim again at every insert,
-/// beside the run it had not finished.
-#[test]
-fn a_wake_up_does_not_hurry_a_claim_after_it_failed() {
-    let config = Config::default();
-    let operation_timeout = config.mongodb.operation_timeout;
-    let mut r = Rig::up(config);
-    assert!(r.reads());
-    let timed_out = StoreError::Deadline(crate::deadline::Elapsed {
-        what: "read claim candidates",
-        limit: operation_timeout,
-    });
-    r.handle(Input::Candidates(Err(timed_out)));
-    r.handle(Input::Inserted);
-    assert!(!r.reads(), "a wake-up hurried the claim after a failure");
-    r.advance(operation_timeout - Duration::from_millis(1));
-    r.handle(Input::Inserted);
-    assert!(!r.reads(), "claimed while the abandoned run may still run");
-    r.advance(RETRY_CAP);
-    assert!(r.reads(), "claims again after the back-off");
-}
-
 /// A claim that starts while a wave has given up on its confirms unanswered takes
 /// nothing: the broker may have stalled.
 #[test]
