@@ -69,7 +69,7 @@ impl Store {
                 count(lease::all_of([lease::due_by(now, shapes), of_paused])).await?
             }
         };
-        let oldest_due = self.oldest_due(now, shapes, &paused).await?;
+        let oldest_due_age_seconds = self.oldest_due_age(now, shapes, &paused).await?;
         let mut oldest_unclaimed: Option<(DateTime, Bson)> = None;
         for shape in shapes {
             let unclaimed = lease::due_within(now, None, now, std::slice::from_ref(shape));
@@ -84,20 +84,20 @@ impl Store {
         }
         Ok(Reading {
             due,
-            oldest_due_age_seconds: oldest_due.map(|at| age_seconds(now, at)),
+            oldest_due_age_seconds,
             paused_due,
             oldest_unclaimed: oldest_unclaimed.map(|(at, id)| (id, at)),
         })
     }
 
-    /// The due instant of the oldest due record (leased or not) over `shapes`, of a
+    /// The age in seconds of the oldest due record (leased or not) over `shapes`, of a
     /// destination not in `left_out`: the monitor's reading and `timeoutd stats` alike.
-    pub(crate) async fn oldest_due(
+    pub(crate) async fn oldest_due_age(
         &self,
         now: DateTime,
         shapes: &[Shape],
         left_out: &[String],
-    ) -> Result<Option<DateTime>, StoreError> {
+    ) -> Result<Option<f64>, StoreError> {
         let mut oldest: Option<DateTime> = None;
         for shape in shapes {
             let due = lease::all_of([shape.due_between(None, now)]);
@@ -105,7 +105,7 @@ impl Store {
                 oldest = Some(oldest.map_or(at, |o| o.min(at)));
             }
         }
-        Ok(oldest)
+        Ok(oldest.map(|at| age_seconds(now, at)))
     }
 
     /// The oldest record of `shape` that `filter` matches: its due instant (the end of the
@@ -130,7 +130,7 @@ impl Store {
     }
 }
 
-pub(crate) fn age_seconds(now: DateTime, due: DateTime) -> f64 {
+fn age_seconds(now: DateTime, due: DateTime) -> f64 {
     let age_ms = now
         .timestamp_millis()
         .saturating_sub(due.timestamp_millis());

@@ -128,9 +128,7 @@ impl Store {
             parking.count_retrying(),
         )?;
         let odd_locked = self.count(odd_locked_filter()).await?;
-        let oldest_due = self.oldest_due(now, &shapes, &[]).await?;
-        let oldest_due_age_seconds =
-            oldest_due.map(|at| crate::store::backlog::age_seconds(now, at));
+        let oldest_due_age_seconds = self.oldest_due_age(now, &shapes, &[]).await?;
         Ok(Stats {
             pending,
             due,
