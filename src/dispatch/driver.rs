@@ -421,7 +421,6 @@ impl Dispatcher {
     }
 
     fn settle(&mut self, work: Settle) {
-        let settler = self.settler.clone();
         let refused = match &work {
             Settle::Refused { leased, .. } => Some(leased.record.destination.clone()),
             _ => None,
@@ -429,8 +428,9 @@ impl Dispatcher {
         // A refused send may be released for a retry too.
         let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
         let records = work.records();
+        let settling = self.settler.run(work);
         self.spawn(Role::Settle { records }, async move {
-            settler.run(work).await;
+            settling.await;
             Done::Settled { refused, released }
         });
     }

@@ -671,3 +671,64 @@ fn with_two_batches_held_a_claim_reads_only_what_is_due_before_them() {
         "nothing is due before the soonest held"
     );
 }
+
+/// A panic during the drain makes the driver say shutdown again: the drain's end stayed
+/// counted from the first, or a panicking loop could put it off for ever.
+#[test]
+fn a_second_shutdown_does_not_move_the_drains_end() {
+    let config = Config::default();
+    let limit = config.dispatch.shutdown_timeout + crate::service::shutdown::GRACE / 2;
+    let mut r = Rig::up(config);
+    r.handle(Input::Shutdown);
+    let end = r.at + limit;
+    r.advance(Duration::from_secs(1));
+    r.handle(Input::Shutdown);
+    assert_eq!(r.m.poll_timeout(&r.now()), Some(end));
+}
+
+/// A record released as too late for its lease took the rate limit's token first, and the
+/// record behind it, which could go out, waited for the next token.
+#[test]
+fn a_record_too_late_to_send_spends_no_rate_token() {
+    let mut config = Config::default();
+    config.dispatch.max_rate = Some(1.0);
+    let margin = config.dispatch.lease_safety_margin;
+    let mut r = Rig::up(config);
+    r.hold(1, margin / 2);
+    r.hold(2, Duration::from_secs(300));
+    let commands = r.commands();
+    let sent = commands
+        .iter()
+        .any(|c| matches!(c, Command::Publish { messages, .. } if messages.len() == 1));
+    assert!(sent, "record 2 goes out at once: {commands:?}");
+    let released = commands.iter().any(|c| {
+        matches!(c, Command::Settle(Settle::Release { ids, reason: "margin", .. }) if ids == &[Bson::Int32(1)])
+    });
+    assert!(released, "{commands:?}");
+}
+
+/// A wave that outlived its lease was confirmed while a claim of this instance held the
+/// record again under a new lease: the copy went out in the next wave, a duplicate of a send
+/// already known delivered. It is removed under its new lease instead.
+#[test]
+fn a_copy_of_a_record_the_broker_confirmed_is_removed_not_sent_again() {
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(3));
+    r.publish();
+    r.advance(Duration::from_secs(4));
+    let new = r.lease(300);
+    r.m.held.push(leased(1, r.server(), new));
+    r.sent(SendOutcome::Confirmed, OPEN);
+    let commands = r.commands();
+    assert!(
+        !commands
+            .iter()
+            .any(|c| matches!(c, Command::Publish { .. })),
+        "sent again: {commands:?}"
+    );
+    let removed = commands.iter().any(|c| {
+        matches!(c, Command::Settle(Settle::Remove { records, lease }) if lease.owner == new.owner && records.iter().map(|r| &r.id).eq([&Bson::Int32(1)]))
+    });
+    assert!(removed, "{commands:?}");
+    assert!(r.m.held.is_empty());
+}

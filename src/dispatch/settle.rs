@@ -219,21 +219,36 @@ pub struct Settler {
 }
 
 impl Settler {
-    /// Runs `work`; parked records go to history when it is on.
-    pub async fn run(&self, work: Settle) {
-        match work {
-            Settle::Release { lease, ids, reason } => self.release(&ids, lease.owner, reason).await,
-            Settle::Remove { lease, records } => self.remove(&records, &lease).await,
-            Settle::Refused { leased, outcome } => self.retry_or_park(*leased, outcome).await,
-            Settle::Park {
-                id,
-                raw,
-                destination,
-                lease,
-                failure,
-            } => {
-                self.park(&id, &raw, &destination, lease.owner, &failure)
-                    .await
+    /// Runs `work`; parked records go to history when it is on. A removal's records count as
+    /// possible duplicates if it is dropped unfinished from the moment it is handed out, not
+    /// from its task's first poll: a task aborted before it ran left them leased all the same.
+    pub fn run(&self, work: Settle) -> impl Future<Output = ()> + Send + 'static {
+        let settler = self.clone();
+        let work = match work {
+            Settle::Remove { lease, records } => Ok(Unremoved { records, lease }),
+            other => Err(other),
+        };
+        async move {
+            match work {
+                Ok(removal) => settler.remove(removal).await,
+                Err(Settle::Release { lease, ids, reason }) => {
+                    settler.release(&ids, lease.owner, reason).await
+                }
+                Err(Settle::Refused { leased, outcome }) => {
+                    settler.retry_or_park(*leased, outcome).await
+                }
+                Err(Settle::Park {
+                    id,
+                    raw,
+                    destination,
+                    lease,
+                    failure,
+                }) => {
+                    settler
+                        .park(&id, &raw, &destination, lease.owner, &failure)
+                        .await
+                }
+                Err(Settle::Remove { .. }) => {}
             }
         }
     }
@@ -368,11 +383,11 @@ impl Settler {
     /// record now. Once `drain_over` is cancelled (the shutdown's drain is ending) it gives up
     /// and counts the records it could not remove as possible duplicates, as it does if it is
     /// dropped unfinished.
-    pub async fn remove(&self, confirmed: &[Leased], lease: &Lease) {
-        let unfinished = Unremoved(confirmed, lease.owner);
-        self.removal_attempts(confirmed, lease).await;
+    async fn remove(&self, mut removal: Unremoved) {
+        self.removal_attempts(&removal.records, &removal.lease)
+            .await;
         // Each way out of the attempts accounted for every record.
-        std::mem::forget(unfinished);
+        removal.records.clear();
     }
 
     async fn removal_attempts(&self, confirmed: &[Leased], lease: &Lease) {
@@ -491,18 +506,24 @@ impl Settler {
 }
 
 /// A removal's confirmed records, counted as possible duplicates if it is dropped unfinished
-/// (aborted at the end of the shutdown's drain, or panicked): they stay leased, and whoever
-/// claims them once the lease ran out sends them again.
-struct Unremoved<'a>(&'a [Leased], Uuid);
+/// (aborted at the end of the shutdown's drain, before or after it began, or panicked): they
+/// stay leased, and whoever claims them once the lease ran out sends them again.
+struct Unremoved {
+    records: Vec<Leased>,
+    lease: Lease,
+}
 
-impl Drop for Unremoved<'_> {
+impl Drop for Unremoved {
     fn drop(&mut self) {
+        if self.records.is_empty() {
+            return;
+        }
         warn_each(
-            self.0,
-            self.1,
+            &self.records,
+            self.lease.owner,
             "removal of a sent record abandoned; it stays leased and may be sent again after the lease",
         );
-        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.0.len());
+        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.records.len());
     }
 }
 
@@ -601,7 +622,10 @@ pub(crate) mod tests {
         let _recorder = metrics::set_default_local_recorder(&recorder);
         let (_server, port) = silent_server();
         let (settler, confirmed, lease) = stalled(port, Duration::from_secs(60), 3, HOUR).await;
-        let removal = crate::host::spawn(async move { settler.remove(&confirmed, &lease).await });
+        let removal = crate::host::spawn(settler.run(Settle::Remove {
+            lease,
+            records: confirmed,
+        }));
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!removal.is_finished(), "the delete waits for the server");
         // As the supervisor does at the drain deadline.
@@ -626,12 +650,33 @@ pub(crate) mod tests {
             tokio::time::sleep_until(over).await;
             ending.cancel();
         });
-        settler.remove(&confirmed, &lease).await;
+        settler
+            .run(Settle::Remove {
+                lease,
+                records: confirmed,
+            })
+            .await;
         let now = Instant::now();
         assert!(
             now >= over && now < over + Duration::from_secs(1),
             "it gave up when the drain ended, not at its operation_timeout"
         );
+        assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
+    }
+
+    /// A removal whose task was aborted before its first poll (the end of the drain, right
+    /// after the work was handed out) counted nothing: its guard did not exist yet.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_dropped_before_it_ran_counts_its_records_as_possible_duplicates() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let (_server, port) = silent_server();
+        let (settler, confirmed, lease) = stalled(port, Duration::from_secs(60), 2, HOUR).await;
+        let removal = settler.run(Settle::Remove {
+            lease,
+            records: confirmed,
+        });
+        drop(removal);
         assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
     }
 }

@@ -12,7 +12,8 @@
 //!   reaper, the census, the monitor, the control watcher, the insert watcher) goes through
 //!   one [`Pacing`] per call, so no call runs while its previous run may still run; one
 //!   exception: a wake-up of the claims (an insert seen) does not wait out a failed claim's
-//!   pacing (`dispatch/machine.rs`, `Claims::failed`).
+//!   pacing, so that the record inserted fires on time; one claim runs at a time, so at most
+//!   one abandoned run is beside it (`dispatch/machine.rs`, `Claims::failed`).
 //! - [`crate::deadline::in_flight`] counts the calls timeoutd may have running on the server
 //!   (`timeoutd_mongodb_calls_in_flight`): each [`crate::store::Store::bounded`] call from
 //!   its start until it returns, or, for one whose future was dropped (its deadline,
