@@ -445,9 +445,11 @@ impl Machine {
                 if let Link::Publishing(wave) =
                     std::mem::replace(&mut self.link, Link::Down { retry_at: now.at })
                 {
-                    // The wave's outcomes are unknown: possible duplicates.
+                    // The wave's outcomes are unknown: possible duplicates, and unanswered.
                     m::possible_duplicates(m::DUPLICATE_PANIC, wave.records.len());
+                    let ids: Vec<Bson> = wave.records.iter().map(|r| r.id.clone()).collect();
                     self.settle.release_all(wave.records, "publish_failed");
+                    self.unanswered(&ids, now.at);
                     self.end_gate(false, now.at);
                 }
             }
@@ -925,22 +927,27 @@ impl Machine {
         if !fired.is_empty() {
             self.outbox.push_back(Command::History(fired));
         }
-        // A wave that outlived its leases may see a claim of this instance take the same
-        // records again meanwhile: those copies must wait for the hold-off too (simulation
-        // seed 5067: sent again 2 ms after the wave gave up on them).
-        let again = self.held.take_matching(|h| unknown.contains(&h.id));
-        failed.extend(again.into_iter().map(|r| (r.id, r.lease)));
         self.settle.release(failed, "publish_failed");
         if !unknown.is_empty() {
-            // A link that withholds confirms must not get the same records again at once, and
-            // gets them later and later while it goes on withholding them: its own back-off,
-            // which the reconnect that usually follows does not reset.
-            let wait = self.claims.unconfirmed.next_delay();
-            tracing::warn!(retry_in = ?wait, "publishes went unconfirmed; backing off before the next claim");
-            self.claims.hold_off(wait, now.at);
+            self.unanswered(&unknown, now.at);
         } else if any_confirmed {
             self.claims.unconfirmed.reset();
         }
+    }
+
+    /// Publishes of `ids` went unanswered (given up at the wave's deadline, lost with the
+    /// link, or with the task that had it). A link that withholds confirms must not get the
+    /// same records again at once, and gets them later and later while it goes on withholding
+    /// them: its own back-off, which the reconnect that usually follows does not reset. A wave
+    /// that outlived its leases may see a claim of this instance take the same records again
+    /// meanwhile: those copies wait for the hold-off too (simulation seed 5067: sent again
+    /// 2 ms after the wave gave up on them).
+    fn unanswered(&mut self, ids: &[Bson], at: Instant) {
+        let again = self.held.take_matching(|h| ids.contains(&h.id));
+        self.settle.release_all(again, "publish_failed");
+        let wait = self.claims.unconfirmed.next_delay();
+        tracing::warn!(retry_in = ?wait, "publishes went unconfirmed; backing off before the next claim");
+        self.claims.hold_off(wait, at);
     }
 
     /// Queues the parking of a record no attempt can fix, with why.

@@ -732,3 +732,22 @@ fn a_copy_of_a_record_the_broker_confirmed_is_removed_not_sent_again() {
     assert!(removed, "{commands:?}");
     assert!(r.m.held.is_empty());
 }
+
+/// The task that had the link died with a wave out: its records were released, but a copy
+/// this instance held again went out at once, and the next claim came at once, where
+/// publishes that went unanswered wait for the hold-off (as for a wave given up).
+#[test]
+fn a_wave_lost_with_its_task_waits_for_the_hold_off_like_one_given_up() {
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(3));
+    r.publish();
+    let new = r.lease(300);
+    r.m.held.push(leased(1, r.server(), new));
+    r.handle(Input::LinkDied);
+    assert!(r.m.held.is_empty(), "the copy of record 1 is released");
+    assert!(r.m.claims.next_at() > r.at, "no claim before the hold-off");
+    let released = r.m.settle.work().any(|s| {
+        matches!(s, Settle::Release { ids, lease, .. } if ids.contains(&Bson::Int32(1)) && lease.owner == new.owner)
+    });
+    assert!(released, "{:?}", r.m.settle.work().collect::<Vec<_>>());
+}
