@@ -94,6 +94,11 @@ enum Waited {
 /// waiting) is of unknown outcome: the broker acked it, but whether it was routed is unknown.
 /// It counts as [`SendOutcome::TimedOut`], released rather than deleted (a possible duplicate,
 /// counted as such), never as confirmed.
+///
+/// A confirm that failed (its channel closed) took no return, and lapin drops the returns still
+/// waiting then: an ack carrying another message's return, whose own may have been among them,
+/// is of unknown outcome too, [`SendOutcome::Connection`] as the failure was. One carrying no
+/// return or its own stays sure: a failed confirm took no return from it.
 fn settle(
     message_ids: &[Option<String>],
     waits: Vec<Waited>,
@@ -116,6 +121,10 @@ fn settle(
         }
     }
     let given_up = publish_failed || waits.iter().any(|w| matches!(w, Waited::Abandoned));
+    let confirm_failed = waits.iter().find_map(|w| match w {
+        Waited::Failed(SendOutcome::Connection(why)) => Some(why.clone()),
+        _ => None,
+    });
     waits
         .into_iter()
         .zip(message_ids)
@@ -135,6 +144,8 @@ fn settle(
                         .is_some_and(|r| r.message_id.as_deref() != id.as_deref());
                     if given_up && (late || carried_another) {
                         SendOutcome::TimedOut
+                    } else if let Some(why) = confirm_failed.as_ref().filter(|_| carried_another) {
+                        SendOutcome::Connection(why.clone())
                     } else {
                         SendOutcome::Confirmed
                     }
@@ -506,6 +517,8 @@ pub(crate) mod tests {
         pub(crate) enum Script {
             /// Answered at once.
             Ready(Answer),
+            /// Fails at once, as a confirm does when its channel closes.
+            Fail(String),
             /// The wave's deadline passes while its confirm is awaited; never answered.
             DeadlineThenNever(CancellationToken),
         }
@@ -514,6 +527,7 @@ pub(crate) mod tests {
             fn confirm(self) -> Confirm {
                 match self {
                     Script::Ready(a) => futures::future::ready(Ok(a)).boxed(),
+                    Script::Fail(e) => futures::future::ready(Err(LinkError(e))).boxed(),
                     Script::DeadlineThenNever(token) => async move {
                         token.cancel();
                         futures::future::pending().await
@@ -728,6 +742,30 @@ pub(crate) mod tests {
                     assert_eq!(outcomes, expected, "{answers:?}, round {round}");
                 }
             }
+        });
+    }
+
+    /// A confirm that failed (its channel closed) took no return: lapin drops the returns still
+    /// waiting. B's ack carried X's return, so B's own may have been waiting for X's confirm,
+    /// and was dropped with it: B is unknown, not confirmed (it was deleted, perhaps unrouted).
+    #[test]
+    fn an_ack_carrying_another_return_is_unknown_when_a_confirm_failed() {
+        seeded().block_on(async {
+            let broker = Arc::new(FakeBroker::default());
+            let closed = "channel closed".to_string();
+            let script = vec![
+                Script::Ready(Answer::Ack(returned("X"))),
+                Script::Fail(closed.clone()),
+            ];
+            broker.link(script, None);
+            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
+            p.connect().await.expect("the fake link opens");
+            let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
+            let outcomes = p
+                .publish_batch(&[message("B"), message("X")], &stop, &answered)
+                .await;
+            let unknown = SendOutcome::Connection(closed);
+            assert_eq!(outcomes, [unknown.clone(), unknown]);
         });
     }
 
