@@ -446,12 +446,18 @@ impl Dispatcher {
         let shutdown = self.shutdown.clone();
         self.spawn(Role::Link, async move {
             // The wave's own connect (the link dropped since the wave was built) yields to
-            // shutdown like every other connect: nothing of the wave went out, so its records
-            // are released.
+            // shutdown like every other connect, and to the wave's deadline: a connect that
+            // tries each node in turn could otherwise publish the wave long after the lease
+            // margin was checked. Nothing of the wave went out, so its records are released.
             let connected = tokio::select! {
                 biased;
-                connected = publisher.connect() => connected.map_err(Some),
-                _ = shutdown.cancelled() => Err(None),
+                connected = publisher.connect() => connected.map_err(|e| e.to_string()),
+                _ = shutdown.cancelled() => {
+                    Err("shutdown began before the connection was reopened".to_string())
+                }
+                _ = stop_waiting.cancelled() => {
+                    Err("the wave's deadline passed before the connection was reopened".to_string())
+                }
             };
             let not_sent = |why: String| vec![SendOutcome::NotSent(why); messages.len()];
             let outcomes = match connected {
@@ -466,8 +472,7 @@ impl Dispatcher {
                         .publish_batch(&messages, &stop_waiting, &answered)
                         .await
                 }
-                Err(Some(e)) => not_sent(e.to_string()),
-                Err(None) => not_sent("shutdown began before the connection was reopened".into()),
+                Err(why) => not_sent(why),
             };
             Done::Sent(Box::new(publisher), outcomes)
         });
@@ -484,6 +489,7 @@ mod tests {
     use crate::dispatch::settle::tests::silent_server;
     use crate::rabbit::publisher::tests::fake::FakeBroker;
     use crate::record::TimeoutRecord;
+    use crate::record::message::DEFAULT_FRAME_MAX;
     use crate::store::Store;
     use crate::store::clock::ServerClock;
 
@@ -508,6 +514,19 @@ mod tests {
         )
     }
 
+    /// A message of one record due now.
+    fn a_message(d: &Dispatcher) -> OutgoingMessage {
+        let record = TimeoutRecord {
+            id: crate::host::uuid(),
+            destination: "q".into(),
+            process_manager_id: crate::host::uuid(),
+            due: crate::host::wall_date(),
+            headers: bson::doc! {},
+        };
+        let (rabbit, now) = (&d.config.rabbitmq, crate::host::wall_now());
+        crate::record::message::build(&record, rabbit, now, DEFAULT_FRAME_MAX).expect("a message")
+    }
+
     async fn next_input(d: &mut Dispatcher) -> Input {
         let done = tokio::time::timeout(Duration::from_secs(20), d.tasks.join_next_with_id())
             .await
@@ -526,19 +545,7 @@ mod tests {
         config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
         config.rabbitmq.connect_timeout = Duration::from_secs(600);
         let mut d = dispatcher(config, None).await;
-        let record = TimeoutRecord {
-            id: crate::host::uuid(),
-            destination: "q".into(),
-            process_manager_id: crate::host::uuid(),
-            due: crate::host::wall_date(),
-            headers: bson::doc! {},
-        };
-        let frame_max = crate::record::message::DEFAULT_FRAME_MAX;
-        let rabbit = &d.config.rabbitmq;
-        let message =
-            crate::record::message::build(&record, rabbit, crate::host::wall_now(), frame_max)
-                .expect("a message");
-        d.publish(vec![message], frame_max);
+        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX);
         tokio::time::sleep(Duration::from_secs(1)).await;
         d.shutdown.cancel();
         let began = Instant::now();
@@ -554,6 +561,33 @@ mod tests {
             "{outcomes:?}"
         );
         assert_eq!(open, None);
+    }
+
+    /// A wave's own connect ran past the wave's deadline (each node up to `connect_timeout`),
+    /// and then published the wave, long after its lease margin was checked. It yields to the
+    /// deadline, and the wave's records, not sent, are released.
+    #[tokio::test(start_paused = true)]
+    async fn a_waves_own_connect_yields_to_the_waves_deadline() {
+        let (_server, port) = silent_server();
+        let mut config = Config::default();
+        config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+        config.rabbitmq.connect_timeout = Duration::from_secs(600);
+        let mut d = dispatcher(config, None).await;
+        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        d.run_command(Command::StopWaiting);
+        let began = Instant::now();
+        let Input::WaveSent { outcomes, .. } = next_input(&mut d).await else {
+            panic!("not the wave's end");
+        };
+        assert!(
+            began.elapsed() < Duration::from_secs(1),
+            "ended at the wave's deadline, not at its connect's"
+        );
+        assert!(
+            matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
+            "{outcomes:?}"
+        );
     }
 
     /// Simulation seed 1451: SIGTERM came while the loop was in a turn; the wait for the

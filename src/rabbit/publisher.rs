@@ -403,6 +403,10 @@ impl Publisher {
         // A publish that failed may have registered its confirm and dropped it.
         let mut publish_failed = false;
         for m in messages {
+            // A publish is never begun after the deadline: its first poll writes its frames.
+            if broken.is_none() && stop_waiting.is_cancelled() {
+                broken = Some("the wave's deadline passed before it was published".into());
+            }
             if let Some(why) = &broken {
                 pending.push(Err(Waited::Failed(SendOutcome::NotSent(why.clone()))));
                 continue;
@@ -766,6 +770,26 @@ pub(crate) mod tests {
                 .await;
             let unknown = SendOutcome::Connection(closed);
             assert_eq!(outcomes, [unknown.clone(), unknown]);
+        });
+    }
+
+    /// The wave's deadline passed before a publish began: that publish was begun all the
+    /// same (its first poll writes its frames) and went out after the deadline. It is not
+    /// begun, and not sent.
+    #[test]
+    fn no_publish_begins_after_the_waves_deadline() {
+        seeded().block_on(async {
+            let broker = Arc::new(FakeBroker::default());
+            broker.link(vec![Script::Ready(Answer::Ack(None))], None);
+            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
+            p.connect().await.expect("the fake link opens");
+            let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
+            stop.cancel();
+            let outcomes = p.publish_batch(&[message("A")], &stop, &answered).await;
+            assert!(
+                matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
+                "{outcomes:?}"
+            );
         });
     }
 
