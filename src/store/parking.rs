@@ -8,8 +8,9 @@
 //! the reason, and only then deleted from `Timeouts` under the owner guard: a crash in between
 //! leaves two copies, never none. Parking is all or nothing with respect to the lease: when
 //! the guarded delete matches nothing (the lease ran out, another owner holds the record, or
-//! sent it and deleted it), the parked copy is removed again and the failed-send count, which
-//! is the new holder's now, is left alone.
+//! sent it and deleted it), the parked copy is removed again (unless a racing park that
+//! deleted the record found it there and kept it) and the failed-send count, which is the new
+//! holder's now, is left alone.
 
 use std::time::Duration;
 
@@ -41,6 +42,10 @@ pub mod parked_field {
     /// Set by `parked requeue` before it puts the record back in `Timeouts`: a park may
     /// replace this copy, and no other (see [`super::Parking::park`]).
     pub const REQUEUED: &str = "requeued";
+    /// Set by a park that found this copy there and relies on it when it deletes the record
+    /// from `Timeouts`: the park that wrote it no longer takes it back (see
+    /// [`super::Parking::park`]).
+    pub const KEPT: &str = "kept";
 }
 
 /// Fields of a failed-send count in `<collection>_attempts`, whose `_id` is the record's
@@ -204,7 +209,9 @@ impl Parking {
     /// from `Timeouts` under the owner guard (owner and live lease). Only when that delete
     /// matched is its failed-send count forgotten; when it matched nothing the lease was lost,
     /// and this parked copy (told from any other by its `park_id`) is deleted again, so that a
-    /// later `parked requeue` cannot send a record another owner has delivered meanwhile.
+    /// later `parked requeue` cannot send a record another owner has delivered meanwhile;
+    /// unless a racing park marked it kept, having deleted the record with this copy as the
+    /// only one (a crash of that park before it wrote its own would otherwise lose the record).
     pub async fn park(
         &self,
         id: &Bson,
@@ -230,12 +237,10 @@ impl Parking {
         // its own copy back, and the record was in neither collection (simulation seed 4580).
         // A copy that is there already (another park's, or one a crash left between this
         // write and the delete) makes the upsert's insert a duplicate key.
-        let mine = match self
+        let replaceable = doc! { field::ID: id.clone(), parked_field::REQUEUED: true };
+        let mut mine = match self
             .parked
-            .replace_one(
-                doc! { field::ID: id.clone(), parked_field::REQUEUED: true },
-                parked.clone(),
-            )
+            .replace_one(replaceable.clone(), parked.clone())
             .upsert(true)
             .await
         {
@@ -243,6 +248,27 @@ impl Parking {
             Err(e) if is_duplicate_key(&e) => false,
             Err(e) => return Err(e.into()),
         };
+        if !mine {
+            // The copy there may be one a racing park is about to take back (its lease was
+            // lost to this one): marked kept, it stays, so that the delete below never leaves
+            // the record in neither collection, whatever happens before this park's own copy
+            // replaces it. Taken back already, this park's copy goes in its place (a copy
+            // that is there again is an error: the record stays leased).
+            let marked = self
+                .parked
+                .update_one(
+                    doc! { field::ID: id.clone() },
+                    doc! { "$set": { parked_field::KEPT: true } },
+                )
+                .await?;
+            if marked.matched == 0 {
+                self.parked
+                    .replace_one(replaceable, parked.clone())
+                    .upsert(true)
+                    .await?;
+                mine = true;
+            }
+        }
         let deleted = self
             .timeouts
             .delete_one(lease::held_one(id, owner, self.clock.now()))
@@ -261,10 +287,15 @@ impl Parking {
                 .await?;
             return Ok(Parked::Moved);
         }
-        // Not ours any more: take back this copy, and only this one.
+        // Not ours any more: take back this copy, and only this one, unless a park that
+        // deleted the record relies on it.
         if mine {
             self.parked
-                .delete_one(doc! { field::ID: id.clone(), parked_field::PARK_ID: park_id })
+                .delete_one(doc! {
+                    field::ID: id.clone(),
+                    parked_field::PARK_ID: park_id,
+                    parked_field::KEPT: { "$ne": true },
+                })
                 .await?;
         }
         Ok(Parked::LeaseLost)
@@ -400,5 +431,243 @@ fn to_listed(d: &Document) -> ParkedRecord {
         parked_at: date(d, parked_field::PARKED_AT)
             .and_then(|t| t.try_to_rfc3339_string().ok())
             .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use futures::future::BoxFuture;
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::config::MongoConfig;
+    use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Written};
+
+    fn write_error(code: i32) -> MongoError {
+        let reply = doc! { "code": code, "codeName": "DuplicateKey", "errmsg": "E11000" };
+        match bson::from_document::<mongodb::error::WriteError>(reply) {
+            Ok(e) => MongoError::from(mongodb::error::ErrorKind::Write(
+                mongodb::error::WriteFailure::WriteError(e),
+            )),
+            Err(e) => MongoError::custom(e.to_string()),
+        }
+    }
+
+    /// A flat filter (equality and `$ne`) on one document.
+    fn matches(filter: &Document, d: &Document) -> bool {
+        filter.iter().all(|(k, v)| match v {
+            Bson::Document(ne) if ne.contains_key("$ne") => d.get(k) != ne.get("$ne"),
+            v => d.get(k) == Some(v),
+        })
+    }
+
+    /// One record, in `Timeouts` under `holder`'s live lease, and the parking collection.
+    /// A guarded delete by any other owner waits until the holder's has run (it lost its
+    /// lease to the holder); the holder's rewrite of the parked copy after its delete waits
+    /// until the other owner's park has ended, then fails as a lost connection does.
+    #[derive(Default)]
+    struct Race {
+        holder: Mutex<Option<Bson>>,
+        record: Mutex<Option<Document>>,
+        parked: Mutex<HashMap<String, Document>>,
+        holder_deleted: Notify,
+        other_done: Notify,
+        parked_coll: String,
+        timeouts_coll: String,
+    }
+
+    #[derive(Clone)]
+    struct Model(Arc<Race>);
+
+    impl std::fmt::Debug for Model {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Model")
+        }
+    }
+
+    impl Model {
+        fn key(d: &Document) -> String {
+            format!("{:?}", d.get(field::ID))
+        }
+
+        fn parked_op(&self, op: Op) -> Result<Reply, MongoError> {
+            let mut parked = self.0.parked.lock().unwrap_or_else(|e| e.into_inner());
+            let found = parked
+                .iter()
+                .find(|(_, d)| matches(op_filter(&op), d))
+                .map(|(k, _)| k.clone());
+            let written = |matched: u64| {
+                Ok(Reply::Written(Written {
+                    matched,
+                    modified: matched,
+                    deleted: matched,
+                    ..Written::default()
+                }))
+            };
+            match op {
+                Op::Replace {
+                    replacement,
+                    upsert,
+                    ..
+                } => match found {
+                    Some(k) => {
+                        parked.insert(k, replacement);
+                        written(1)
+                    }
+                    None if upsert && parked.contains_key(&Self::key(&replacement)) => {
+                        Err(write_error(11000))
+                    }
+                    None => {
+                        parked.insert(Self::key(&replacement), replacement);
+                        written(0)
+                    }
+                },
+                Op::Update { update, .. } => match found {
+                    Some(k) => {
+                        let set = update.get_document("$set").cloned().unwrap_or_default();
+                        parked.entry(k).and_modify(|d| d.extend(set));
+                        written(1)
+                    }
+                    None => written(0),
+                },
+                Op::Delete { .. } => match found {
+                    Some(k) => {
+                        parked.remove(&k);
+                        written(1)
+                    }
+                    None => written(0),
+                },
+                other => panic!("not modelled: {other:?}"),
+            }
+        }
+    }
+
+    fn op_filter(op: &Op) -> &Document {
+        match op {
+            Op::Replace { filter, .. } | Op::Update { filter, .. } | Op::Delete { filter, .. } => {
+                filter
+            }
+            other => panic!("not modelled: {other:?}"),
+        }
+    }
+
+    /// Whether the guarded delete names `holder` among the owners it accepts.
+    fn by_holder(filter: &Document, holder: &Bson) -> bool {
+        let guard = filter
+            .get_array("$and")
+            .ok()
+            .and_then(|c| c.get(1))
+            .and_then(Bson::as_document);
+        let owners = guard
+            .and_then(|g| g.get_document(field::LOCKED_BY).ok())
+            .and_then(|o| o.get_array("$in").ok());
+        owners.is_some_and(|o| o.contains(holder))
+    }
+
+    impl Backend for Model {
+        fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+            let model = self.clone();
+            let collection = collection.to_owned();
+            Box::pin(async move {
+                let race = &model.0;
+                if collection == race.timeouts_coll {
+                    let Op::Delete { filter, .. } = op else {
+                        panic!("not modelled: {op:?}")
+                    };
+                    let holder = race
+                        .holder
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone()
+                        .expect("a holder");
+                    let mine = by_holder(&filter, &holder);
+                    if !mine {
+                        race.holder_deleted.notified().await;
+                        return Ok(Reply::Written(Written::default()));
+                    }
+                    let gone = race.record.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    race.holder_deleted.notify_one();
+                    return Ok(Reply::Written(Written {
+                        deleted: u64::from(gone.is_some()),
+                        ..Written::default()
+                    }));
+                }
+                if collection == race.parked_coll {
+                    let rewrite = matches!(&op, Op::Replace { filter, .. } if !filter.contains_key(parked_field::REQUEUED));
+                    if rewrite {
+                        race.other_done.notified().await;
+                        return Err(MongoError::from(std::io::Error::from(
+                            std::io::ErrorKind::ConnectionReset,
+                        )));
+                    }
+                    return model.parked_op(op);
+                }
+                Ok(Reply::Written(Written::default()))
+            })
+        }
+
+        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+            Box::pin(async { Ok(doc! { "ok": 1 }) })
+        }
+
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+            Box::pin(async { Err(MongoError::custom("no change streams")) })
+        }
+
+        fn shutdown(&self) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    /// Two parks of one record race: one by an instance whose lease ran out (its copy is
+    /// written first, its delete finds the record held by the other and it takes its copy
+    /// back), one by the instance that holds the record now (its copy meets the first's, its
+    /// delete succeeds, and writing its own copy then fails). The record must be left in one
+    /// of the two collections; before, the first park took back the copy the second relied
+    /// on, and the record was in neither.
+    #[tokio::test]
+    async fn a_park_that_relies_on_another_parks_copy_keeps_it() {
+        let config = MongoConfig::default();
+        let race = Arc::new(Race {
+            parked_coll: config.parked_collection(),
+            timeouts_coll: config.collection.clone(),
+            ..Race::default()
+        });
+        let model = Model(race.clone());
+        let store =
+            crate::store::Store::with_backend(Arc::new(model), &config, ServerClock::default());
+        let parking = store.parking();
+        let id = crate::record::uuid_bson(crate::host::uuid());
+        let raw = doc! { field::ID: id.clone(), field::DESTINATION: "q" };
+        let (lost, holder) = (crate::host::uuid(), crate::host::uuid());
+        *race.holder.lock().unwrap() = Some(crate::record::uuid_bson(holder));
+        *race.record.lock().unwrap() = Some(raw.clone());
+        let first = async {
+            let r = parking
+                .park(&id, &raw, lost, ParkReason::Unroutable, "returned", 5)
+                .await;
+            race.other_done.notify_one();
+            r
+        };
+        let second = parking.park(&id, &raw, holder, ParkReason::Unroutable, "returned", 5);
+        let (first, second) = tokio::join!(first, second);
+        assert_eq!(first.expect("the first park answers"), Parked::LeaseLost);
+        assert!(second.is_err(), "the second park's rewrite failed");
+        assert!(
+            race.record.lock().unwrap().is_none(),
+            "the holder deleted the record"
+        );
+        assert_eq!(
+            race.parked.lock().unwrap().len(),
+            1,
+            "the record is in neither collection"
+        );
     }
 }
