@@ -208,6 +208,10 @@ impl ClaimPath {
         let shapes = self.current_shapes().await?;
         let store = &self.store;
         let now = store.clock.now();
+        // A lease is taken for expired by the earliest the server's clock can read: by the
+        // midpoint, one that still holds on the server (its holder deleting the record it
+        // sent) could be taken, and the record sent twice.
+        let expired_by = store.clock.earliest();
         // While a backlog drains, read only about one batch past the last one, or a random
         // slice after meeting a racing instance (see `crate::store::read_window`).
         let slice = crate::host::random_range(0..read_window::SLICES as u64) as i64;
@@ -224,7 +228,7 @@ impl ClaimPath {
             store
                 .coll
                 .find(lease::due_within_except(
-                    now,
+                    expired_by,
                     from,
                     range.to,
                     std::slice::from_ref(shape),
@@ -290,6 +294,8 @@ impl ClaimPath {
         let found_count = found.len();
         let store = &self.store;
         let now = store.clock.now();
+        // Leases expired by the earliest the server's clock can read (see `candidates`).
+        let expired_by = store.clock.earliest();
         let lease = Lease::new(now, lease_len);
         if found.is_empty() {
             return Ok(Claim {
@@ -321,7 +327,7 @@ impl ClaimPath {
                 .coll
                 .update_many(
                     lease::except(
-                        lease::claim_filter(now, horizon, &shapes, &candidates),
+                        lease::claim_filter(expired_by, horizon, &shapes, &candidates),
                         &excluded,
                     ),
                     lease::claim_update(&lease, store.uuids),
@@ -484,6 +490,71 @@ mod tests {
             .expect("one shape")
             .get_datetime("$lte")
             .expect("a bound")
+    }
+
+    /// Every `LockExpiresAt` bound of `$lte` in `filter`: the instants at or before which it
+    /// takes a lease for expired.
+    fn expiry_bounds(filter: &Document) -> Vec<DateTime> {
+        let mut bounds = Vec::new();
+        for (k, v) in filter {
+            match v {
+                Bson::Document(d) if k == field::LOCK_EXPIRES_AT => {
+                    bounds.extend(d.get_datetime("$lte").ok().copied())
+                }
+                Bson::Document(d) => bounds.extend(expiry_bounds(d)),
+                Bson::Array(a) => {
+                    for d in a.iter().filter_map(Bson::as_document) {
+                        bounds.extend(expiry_bounds(d));
+                    }
+                }
+                _ => {}
+            }
+        }
+        bounds
+    }
+
+    /// The server read its clock somewhere in a round trip of 10 s: the midpoint estimate is
+    /// 5 s ahead of the earliest the server's clock can read. A lease running out 2 s after
+    /// that earliest instant may still hold on the server, and its holder may be deleting the
+    /// record it sent: neither the read nor the compare-and-swap takes it for expired. Before,
+    /// both took leases for expired by the midpoint.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_takes_no_lease_the_server_may_still_hold() {
+        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let ops = asked.clone();
+        let backend = Answering::new(move |op: Op| {
+            let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
+            let reply = match &op {
+                Op::Find { .. } => Reply::Docs(vec![record(-60_000)]),
+                _ => Reply::Written(Written::default()),
+            };
+            ops.push(op);
+            Ok(reply)
+        });
+        let clock = ServerClock::default();
+        let server = DateTime::from_millis(1_767_225_600_000);
+        let received = tokio::time::Instant::now();
+        clock.observe(server, received - Duration::from_secs(10), received);
+        let store = Store::with_backend(Arc::new(backend), &MongoConfig::default(), clock);
+        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
+        let candidates = path
+            .candidates(10, Duration::ZERO, &[])
+            .await
+            .expect("read");
+        path.take(candidates, Duration::from_secs(60))
+            .await
+            .expect("take");
+        let still_held = lease::add(server, Duration::from_secs(2));
+        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert_eq!(names(&ops), ["find", "updateMany"]);
+        for op in &ops {
+            let (Op::Find { filter, .. } | Op::Update { filter, .. }) = op else {
+                continue;
+            };
+            let bounds = expiry_bounds(filter);
+            assert!(!bounds.is_empty(), "{filter}");
+            assert!(bounds.iter().all(|b| *b < still_held), "{bounds:?}");
+        }
     }
 
     /// Every candidate due and every one taken: the rows are the documents read, under the

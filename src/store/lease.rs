@@ -77,7 +77,9 @@ pub fn add(t: DateTime, d: Duration) -> DateTime {
     )
 }
 
-/// Free, or leased with an expired lease: what any worker may claim.
+/// Free, or leased with an expired lease: what any worker may claim. A claim or a reaper
+/// pass passes the earliest the server's clock can read as `now`, so that no lease that may
+/// still hold on the server counts as expired.
 pub fn claimable(now: DateTime) -> Document {
     doc! { "$or": [
         { field::LOCKED: false },

@@ -338,7 +338,9 @@ impl Store {
     /// Frees expired leases, at most [`REAP_BATCH`] a pass; returns how many. Their `_id`s are
     /// read first (why: [`crate::store::pacing`]), then freed by `_id` if still expired.
     pub async fn reap(&self) -> Result<u64, StoreError> {
-        let now = self.clock.now();
+        // Expired by the earliest the server's clock can read: by the midpoint, a lease that
+        // still holds on the server could be freed under its holder.
+        let now = self.clock.earliest();
         let expired = self.coll.find_ids(lease::expired(now));
         let ids = expired.limit(REAP_BATCH).await?;
         if ids.is_empty() {
@@ -530,6 +532,43 @@ mod tests {
         // The guard is the read's own filter: a record claimed again since is not freed.
         assert_eq!(clauses.get(1), Some(&Bson::Document(read.clone())));
         assert_eq!(clauses.len(), 2);
+    }
+
+    /// The server read its clock somewhere in a round trip of 10 s: the reaper frees no lease
+    /// that may still hold on the server, by the earliest its clock can read. Before, it took
+    /// leases for expired by the midpoint, 5 s ahead.
+    #[tokio::test(start_paused = true)]
+    async fn the_reaper_frees_no_lease_the_server_may_still_hold() {
+        let (store, ops, _) = store(vec![doc! { field::ID: 1 }], false);
+        let server = DateTime::from_millis(1_767_225_600_000);
+        let received = Instant::now();
+        store
+            .clock()
+            .observe(server, received - Duration::from_secs(10), received);
+        assert_eq!(store.reap().await.expect("reap"), 1);
+        let still_held = lease::add(server, Duration::from_secs(2));
+        let ops = taken(&ops);
+        assert_eq!(ops.len(), 2, "{ops:?}");
+        let bound = |d: &Document| {
+            let expiry = d.get_document(field::LOCK_EXPIRES_AT).ok()?;
+            expiry.get_datetime("$lte").ok().copied()
+        };
+        let read = match &ops[0] {
+            Op::Find { filter, .. } => bound(filter),
+            other => panic!("{other:?}"),
+        };
+        let write = match &ops[1] {
+            Op::Update { filter, .. } => filter
+                .get_array("$and")
+                .ok()
+                .and_then(|c| c.get(1))
+                .and_then(Bson::as_document)
+                .and_then(bound),
+            other => panic!("{other:?}"),
+        };
+        for b in [read, write] {
+            assert!(b.is_some_and(|b| b < still_held), "{b:?}");
+        }
     }
 
     /// Nothing expired: no write at all.
