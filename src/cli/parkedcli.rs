@@ -70,6 +70,9 @@ impl Done {
             "parked_again" => {
                 format!("requeued {id}, but it failed again and was parked again meanwhile")
             }
+            "unreadable" => {
+                format!("{id} holds no record with its id; left parked as it is")
+            }
             "would_requeue" => format!("would requeue {id} (dry run)"),
             "would_drop" => format!("would drop {id} (dry run)"),
             "dropped" => format!("dropped {id}"),
@@ -123,6 +126,7 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
                         Some(Requeued::Requeued) => "requeued",
                         Some(Requeued::AlreadyInTimeouts) => "already_in_timeouts",
                         Some(Requeued::ParkedAgain) => "parked_again",
+                        Some(Requeued::Unreadable) => "unreadable",
                         None => "gone",
                     }
                 };
@@ -173,7 +177,7 @@ async fn report(
     }
     let changed: Vec<&str> = done
         .iter()
-        .filter(|d| d.outcome != "gone")
+        .filter(|d| !["gone", "unreadable"].contains(&d.outcome))
         .map(|d| d.id.as_str())
         .collect();
     let actor = Actor::current();

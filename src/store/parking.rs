@@ -120,6 +120,9 @@ pub enum Requeued {
     /// Requeued, but a daemon claimed it, failed again and parked it again before the old
     /// parked copy was deleted: the new parked copy is kept.
     ParkedAgain,
+    /// The parked copy holds no record with its `_id` (it was not written by a park): left
+    /// as it is, and nothing put into `Timeouts`.
+    Unreadable,
 }
 
 /// Access to the parking and attempts collections; cheap to clone.
@@ -358,10 +361,12 @@ impl Parking {
     /// fail again and park it again in between, and that new parked copy is the only one left.
     pub async fn requeue_parked(&self, parked: &Document) -> Result<Requeued, StoreError> {
         let id = parked.get(field::ID).cloned().unwrap_or(Bson::Null);
-        let record = parked
-            .get_document(parked_field::RECORD)
-            .cloned()
-            .unwrap_or_default();
+        // Only the record a park wrote, under its own `_id`: anything else would put a
+        // document into `Timeouts` that is no record of it.
+        let record = match parked.get(parked_field::RECORD) {
+            Some(Bson::Document(r)) if r.get(field::ID) == Some(&id) => r.clone(),
+            _ => return Ok(Requeued::Unreadable),
+        };
         // Copies parked before park_id existed have none: null matches a missing field.
         let this_copy = doc! {
             field::ID: id.clone(),
@@ -623,6 +628,57 @@ mod tests {
 
         fn shutdown(&self) -> BoxFuture<'static, ()> {
             Box::pin(async {})
+        }
+    }
+
+    /// A parked copy without the record document (written by hand, or by another tool) is
+    /// left as it is: nothing is put into `Timeouts`. Before, an empty document in the free
+    /// shape was inserted there (the driver gave it an `_id` of its own) and the parked copy
+    /// was deleted as requeued.
+    #[tokio::test]
+    async fn a_parked_copy_without_its_record_is_not_requeued() {
+        let id = crate::record::uuid_bson(crate::host::uuid());
+        let other = crate::record::uuid_bson(crate::host::uuid());
+        for record in [
+            None,
+            Some(Bson::String("x".into())),
+            Some(Bson::Document(doc! { field::DESTINATION: "q" })),
+            Some(Bson::Document(
+                doc! { field::ID: other, field::DESTINATION: "q" },
+            )),
+        ] {
+            let mut parked = doc! { field::ID: id.clone(), parked_field::PARK_ID: 1 };
+            if let Some(r) = record {
+                parked.insert(parked_field::RECORD, r);
+            }
+            let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
+            let ops = asked.clone();
+            let backend = crate::store::backend::Answering::new(move |op: Op| {
+                let reply = match &op {
+                    Op::Find { .. } => Reply::Docs(vec![parked.clone()]),
+                    _ => Reply::Written(Written {
+                        matched: 1,
+                        modified: 1,
+                        deleted: 1,
+                        inserted: 1,
+                        ..Written::default()
+                    }),
+                };
+                ops.lock().unwrap_or_else(|e| e.into_inner()).push(op);
+                Ok(reply)
+            });
+            let store = crate::store::Store::with_backend(
+                Arc::new(backend),
+                &MongoConfig::default(),
+                ServerClock::default(),
+            );
+            let outcome = store.parking().requeue(&id).await.expect("requeue");
+            assert_eq!(outcome, Some(Requeued::Unreadable));
+            let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            assert!(
+                ops.iter().all(|op| matches!(op, Op::Find { .. })),
+                "{ops:?}"
+            );
         }
     }
 
