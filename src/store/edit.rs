@@ -1,7 +1,8 @@
 //! Operator actions on single records: `cancel` and `reschedule`.
 //!
 //! Both touch a record only while it is free, by the rules a claim uses
-//! ([`crate::store::lease::claimable`]: not locked, or locked with a lease that has run out), and
+//! ([`crate::store::lease::claimable`]: not locked, or locked with a lease that has run out by
+//! the earliest the server's clock can read, as a claim judges it), and
 //! put that rule into the write's own filter. A write and a claim's compare-and-swap are each
 //! atomic on the document, so one of them wins and the other matches nothing: a record an
 //! instance has claimed (to send it now, or to hold it until its instant within the
@@ -182,9 +183,9 @@ impl Store {
         dry_run: bool,
     ) -> Result<Vec<Outcome>, OpsError> {
         let docs = self.select(selector).await?;
-        let now = self.clock.now();
+        let (now, expired_by) = (self.clock.now(), self.clock.earliest());
         let (free, held): (Vec<Document>, Vec<Document>) =
-            docs.into_iter().partition(|d| is_free(d, now));
+            docs.into_iter().partition(|d| is_free(d, expired_by));
         let mut outcomes: Vec<Outcome> = held
             .iter()
             .map(|d| outcome(self, d, now, "left_leased", None))
@@ -202,7 +203,10 @@ impl Store {
         }
         // The claim's own rule in the delete's filter: a record claimed since it was read
         // no longer matches.
-        let filter = lease::all_of([doc! { field::ID: { "$in": &ids } }, lease::claimable(now)]);
+        let filter = lease::all_of([
+            doc! { field::ID: { "$in": &ids } },
+            lease::claimable(expired_by),
+        ]);
         let deleted = self.query(self.coll.delete_many(filter)).await?;
         let still_there = if deleted.deleted < ids.len() as u64 {
             let existing = self.coll.find(doc! { field::ID: { "$in": &ids } });
@@ -230,7 +234,7 @@ impl Store {
         dry_run: bool,
     ) -> Result<Vec<Outcome>, OpsError> {
         let docs = self.select(selector).await?;
-        let now = self.clock.now();
+        let (now, expired_by) = (self.clock.now(), self.clock.earliest());
         // Every new instant is checked before anything is written.
         let mut planned = Vec::with_capacity(docs.len());
         for d in &docs {
@@ -238,7 +242,7 @@ impl Store {
         }
         let mut outcomes = Vec::new();
         for (d, plan) in docs.iter().zip(planned) {
-            if !is_free(d, now) {
+            if !is_free(d, expired_by) {
                 outcomes.push(outcome(self, d, now, "left_leased", None));
                 continue;
             }
@@ -258,7 +262,7 @@ impl Store {
             // this match nothing.
             let filter = lease::all_of([
                 doc! { field::ID: id.clone(), field::TIME: old },
-                lease::claimable(now),
+                lease::claimable(expired_by),
             ]);
             let moved = self
                 .query(
@@ -360,7 +364,77 @@ pub fn same_shape(old: &Bson, due: DateTime) -> Option<Bson> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::TimeEncoding;
+    use std::sync::{Arc, Mutex};
+
+    use crate::config::{MongoConfig, TimeEncoding, UuidRepresentation};
+    use crate::record::guid;
+    use crate::store::backend::{Answering, Op, Reply, Written};
+    use crate::store::clock::ServerClock;
+
+    /// A store whose one record is leased until 2 s after `server`, on a clock that read the
+    /// server at `server` somewhere in a round trip of 10 s (the midpoint estimate is 5 s
+    /// ahead of the earliest the server's clock can read), and the operations it was asked.
+    fn leased_until_two_seconds_on(server: DateTime, id: Uuid) -> (Store, Arc<Mutex<Vec<Op>>>) {
+        let std = UuidRepresentation::Standard;
+        let record = doc! {
+            field::ID: guid::to_bson(id, std),
+            field::DESTINATION: "q",
+            field::TIME: server,
+            field::LOCKED: true,
+            field::LOCKED_BY: guid::to_bson(crate::host::uuid(), std),
+            field::LOCK_EXPIRES_AT: lease::add(server, Duration::from_secs(2)),
+        };
+        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let ops = asked.clone();
+        let backend = Answering::new(move |op: Op| {
+            let reply = match &op {
+                Op::Find { .. } => Reply::Docs(vec![record.clone()]),
+                Op::Delete { .. } => Reply::Written(Written {
+                    deleted: 1,
+                    ..Written::default()
+                }),
+                _ => Reply::Written(Written {
+                    matched: 1,
+                    modified: 1,
+                    ..Written::default()
+                }),
+            };
+            ops.lock().unwrap_or_else(|e| e.into_inner()).push(op);
+            Ok(reply)
+        });
+        let clock = ServerClock::default();
+        let received = tokio::time::Instant::now();
+        clock.observe(server, received - Duration::from_secs(10), received);
+        let store = Store::with_backend(Arc::new(backend), &MongoConfig::default(), clock);
+        (store, asked)
+    }
+
+    /// A lease that may still hold on the server (its holder may be sending the record) was
+    /// taken for run out by the clock's midpoint, up to half a round trip ahead: `cancel`
+    /// deleted the record and said `cancelled`, and `reschedule` moved it, while it could
+    /// still be sent. Both judge it as a claim does, by the earliest the server's clock can
+    /// read.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_the_server_may_still_hold_is_left_by_cancel_and_reschedule() {
+        let server = DateTime::from_millis(NEW_YEAR_MS);
+        let id = crate::host::uuid();
+        let (store, ops) = leased_until_two_seconds_on(server, id);
+        let cancelled = store.cancel(&Selector::Ids(vec![id]), false).await;
+        let outcomes = cancelled.expect("cancel");
+        assert_eq!(outcomes.len(), 1);
+        assert_eq!(outcomes[0].outcome, "left_leased");
+        let moved = store
+            .reschedule(&Selector::Ids(vec![id]), Move::By(60_000), false)
+            .await;
+        let outcomes = moved.expect("reschedule");
+        assert_eq!(outcomes[0].outcome, "left_leased");
+        let ops = ops.lock().unwrap_or_else(|e| e.into_inner());
+        let writes = ops
+            .iter()
+            .filter(|op| !matches!(op, Op::Find { .. }))
+            .count();
+        assert_eq!(writes, 0, "{ops:?}");
+    }
 
     const NEW_YEAR_MS: i64 = 1_767_225_600_000;
     const NEW_YEAR_TICKS: i64 = 639_028_224_000_000_000;
