@@ -395,7 +395,8 @@ impl Dispatcher {
             Command::Publish {
                 messages,
                 frame_max,
-            } => self.publish(messages, frame_max),
+                begin_by,
+            } => self.publish(messages, frame_max, begin_by),
             Command::StopWaiting => {
                 if let Some(wave) = &self.wave {
                     wave.stop_waiting.cancel();
@@ -436,7 +437,7 @@ impl Dispatcher {
     }
 
     /// Publishes a wave pipelined, in a task that owns the link until the wave ends.
-    fn publish(&mut self, messages: Vec<OutgoingMessage>, built_for: u32) {
+    fn publish(&mut self, messages: Vec<OutgoingMessage>, built_for: u32, begin_by: Instant) {
         let mut publisher = self.take_publisher();
         let (answered, stop_waiting) = (CancellationToken::new(), CancellationToken::new());
         self.wave = Some(WaveTokens {
@@ -469,7 +470,7 @@ impl Dispatcher {
                 )),
                 Ok(()) => {
                     publisher
-                        .publish_batch(&messages, &stop_waiting, &answered)
+                        .publish_batch(&messages, &stop_waiting, &answered, begin_by)
                         .await
                 }
                 Err(why) => not_sent(why),
@@ -514,6 +515,11 @@ mod tests {
         )
     }
 
+    /// An instant the test never reaches.
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(86_400)
+    }
+
     /// A message of one record due now.
     fn a_message(d: &Dispatcher) -> OutgoingMessage {
         let record = TimeoutRecord {
@@ -545,7 +551,7 @@ mod tests {
         config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
         config.rabbitmq.connect_timeout = Duration::from_secs(600);
         let mut d = dispatcher(config, None).await;
-        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX);
+        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX, far());
         tokio::time::sleep(Duration::from_secs(1)).await;
         d.shutdown.cancel();
         let began = Instant::now();
@@ -573,7 +579,7 @@ mod tests {
         config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
         config.rabbitmq.connect_timeout = Duration::from_secs(600);
         let mut d = dispatcher(config, None).await;
-        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX);
+        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX, far());
         tokio::time::sleep(Duration::from_secs(1)).await;
         d.run_command(Command::StopWaiting);
         let began = Instant::now();

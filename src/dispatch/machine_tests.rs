@@ -751,3 +751,20 @@ fn a_wave_lost_with_its_task_waits_for_the_hold_off_like_one_given_up() {
     });
     assert!(released, "{:?}", r.m.settle.work().collect::<Vec<_>>());
 }
+
+/// A wave begins no publish once its soonest lease is within the safety margin (a broker
+/// that stopped reading can hold the writes back that long): the instant goes with the wave.
+#[test]
+fn a_wave_begins_no_publish_past_its_soonest_leases_margin() {
+    let config = Config::default();
+    let margin = config.dispatch.lease_safety_margin;
+    let mut r = Rig::up(config);
+    r.hold(1, Duration::from_secs(60));
+    r.hold(2, Duration::from_secs(30));
+    let commands = r.commands();
+    let begin_by = commands.iter().find_map(|c| match c {
+        Command::Publish { begin_by, .. } => Some(*begin_by),
+        _ => None,
+    });
+    assert_eq!(begin_by, Some(r.at + Duration::from_secs(30) - margin));
+}

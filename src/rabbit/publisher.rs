@@ -383,12 +383,15 @@ impl Publisher {
 
     /// Publishes every message pipelined, then awaits the confirms until each arrives or
     /// `stop_waiting` is cancelled. Returns one outcome per message, in order. `answered` is
-    /// cancelled at the first answer from the broker (proof that it reads and confirms).
+    /// cancelled at the first answer from the broker (proof that it reads and confirms). No
+    /// publish begins at or after `begin_by`, when the soonest lease of the wave comes within
+    /// its safety margin (a broker that stopped reading holds the writes back).
     pub async fn publish_batch(
         &mut self,
         messages: &[OutgoingMessage],
         stop_waiting: &CancellationToken,
         answered: &CancellationToken,
+        begin_by: tokio::time::Instant,
     ) -> Vec<SendOutcome> {
         let Some(link) = self.link.clone().filter(|_| self.usable()) else {
             return vec![SendOutcome::NotSent("not connected".into()); messages.len()];
@@ -403,9 +406,16 @@ impl Publisher {
         // A publish that failed may have registered its confirm and dropped it.
         let mut publish_failed = false;
         for m in messages {
-            // A publish is never begun after the deadline: its first poll writes its frames.
+            // A publish is never begun after the deadline (its first poll writes its frames),
+            // nor once a lease of the wave is within its margin: it could reach the broker
+            // after the lease ran out and a peer took the record.
             if broken.is_none() && stop_waiting.is_cancelled() {
                 broken = Some("the wave's deadline passed before it was published".into());
+            } else if broken.is_none() && tokio::time::Instant::now() >= begin_by {
+                broken = Some(
+                    "the wave's leases came within their safety margin before it was published"
+                        .into(),
+                );
             }
             if let Some(why) = &broken {
                 pending.push(Err(Waited::Failed(SendOutcome::NotSent(why.clone()))));
@@ -697,7 +707,7 @@ pub(crate) mod tests {
         let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
         p.connect().await.expect("the fake link opens");
         let messages: Vec<OutgoingMessage> = answers.iter().map(|(id, _)| message(id)).collect();
-        p.publish_batch(&messages, &stop, &CancellationToken::new())
+        p.publish_batch(&messages, &stop, &CancellationToken::new(), open_ended())
             .await
     }
 
@@ -766,7 +776,12 @@ pub(crate) mod tests {
             p.connect().await.expect("the fake link opens");
             let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
             let outcomes = p
-                .publish_batch(&[message("B"), message("X")], &stop, &answered)
+                .publish_batch(
+                    &[message("B"), message("X")],
+                    &stop,
+                    &answered,
+                    open_ended(),
+                )
                 .await;
             let unknown = SendOutcome::Connection(closed);
             assert_eq!(outcomes, [unknown.clone(), unknown]);
@@ -785,7 +800,37 @@ pub(crate) mod tests {
             p.connect().await.expect("the fake link opens");
             let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
             stop.cancel();
-            let outcomes = p.publish_batch(&[message("A")], &stop, &answered).await;
+            let outcomes = p
+                .publish_batch(&[message("A")], &stop, &answered, open_ended())
+                .await;
+            assert!(
+                matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
+                "{outcomes:?}"
+            );
+        });
+    }
+
+    /// A wave's publishes may begin any time until their deadline.
+    fn open_ended() -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_secs(86_400)
+    }
+
+    /// A broker that stopped reading held a wave's writes back past the instant its soonest
+    /// lease came within the safety margin: the publishes after it began all the same and
+    /// could reach the broker after the lease ran out, when a peer may have taken the record.
+    /// None begins from that instant: not sent.
+    #[test]
+    fn no_publish_begins_once_the_waves_leases_are_within_their_margin() {
+        seeded().block_on(async {
+            let broker = Arc::new(FakeBroker::default());
+            broker.link(vec![Script::Ready(Answer::Ack(None))], None);
+            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
+            p.connect().await.expect("the fake link opens");
+            let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
+            let begin_by = tokio::time::Instant::now();
+            let outcomes = p
+                .publish_batch(&[message("A")], &stop, &answered, begin_by)
+                .await;
             assert!(
                 matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
                 "{outcomes:?}"
@@ -804,7 +849,12 @@ pub(crate) mod tests {
         p.connect().await.expect("the fake link opens");
         status.set_blocked(true);
         let outcomes = p
-            .publish_batch(&[message("A")], &stop, &CancellationToken::new())
+            .publish_batch(
+                &[message("A")],
+                &stop,
+                &CancellationToken::new(),
+                open_ended(),
+            )
             .await;
         assert_eq!(outcomes, [SendOutcome::TimedOut]);
         (p, broker, status)
@@ -812,7 +862,8 @@ pub(crate) mod tests {
 
     async fn publish_b(p: &mut Publisher) -> Vec<SendOutcome> {
         let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
-        p.publish_batch(&[message("B")], &stop, &answered).await
+        p.publish_batch(&[message("B")], &stop, &answered, open_ended())
+            .await
     }
 
     /// Issue 25, 8.1: a link the broker blocks is kept while the block lasts (so the loop sees
