@@ -541,32 +541,44 @@ mod tests {
         d.finished(done)
     }
 
-    /// Issue 25, 8.6: a wave whose link dropped reconnects first; that connect did not yield
-    /// to shutdown and held the loop's drain for up to `connect_timeout`. It yields now, and
-    /// the wave's records, not sent, are released.
-    #[tokio::test(start_paused = true)]
-    async fn a_waves_own_connect_yields_to_shutdown() {
-        let (_server, port) = silent_server();
+    /// A wave whose link dropped, reconnecting to a broker that accepts connections and never
+    /// answers, and the listener that keeps it so.
+    async fn a_wave_reconnecting_to_a_silent_broker() -> (Dispatcher, std::net::TcpListener) {
+        let (server, port) = silent_server();
         let mut config = Config::default();
         config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
         config.rabbitmq.connect_timeout = Duration::from_secs(600);
         let mut d = dispatcher(config, None).await;
         d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX, far());
         tokio::time::sleep(Duration::from_secs(1)).await;
-        d.shutdown.cancel();
+        (d, server)
+    }
+
+    /// The wave ends at once, its record not sent; returns whether the link is open.
+    async fn the_wave_ends_at_once_unsent(d: &mut Dispatcher) -> Option<u32> {
         let began = Instant::now();
-        let Input::WaveSent { outcomes, open } = next_input(&mut d).await else {
+        let Input::WaveSent { outcomes, open } = next_input(d).await else {
             panic!("not the wave's end");
         };
         assert!(
             began.elapsed() < Duration::from_secs(1),
-            "ended at shutdown, not at its connect's deadline"
+            "ended when told, not at its connect's deadline"
         );
         assert!(
             matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
             "{outcomes:?}"
         );
-        assert_eq!(open, None);
+        open
+    }
+
+    /// Issue 25, 8.6: a wave whose link dropped reconnects first; that connect did not yield
+    /// to shutdown and held the loop's drain for up to `connect_timeout`. It yields now, and
+    /// the wave's records, not sent, are released.
+    #[tokio::test(start_paused = true)]
+    async fn a_waves_own_connect_yields_to_shutdown() {
+        let (mut d, _server) = a_wave_reconnecting_to_a_silent_broker().await;
+        d.shutdown.cancel();
+        assert_eq!(the_wave_ends_at_once_unsent(&mut d).await, None);
     }
 
     /// A wave's own connect ran past the wave's deadline (each node up to `connect_timeout`),
@@ -574,26 +586,9 @@ mod tests {
     /// deadline, and the wave's records, not sent, are released.
     #[tokio::test(start_paused = true)]
     async fn a_waves_own_connect_yields_to_the_waves_deadline() {
-        let (_server, port) = silent_server();
-        let mut config = Config::default();
-        config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
-        config.rabbitmq.connect_timeout = Duration::from_secs(600);
-        let mut d = dispatcher(config, None).await;
-        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX, far());
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (mut d, _server) = a_wave_reconnecting_to_a_silent_broker().await;
         d.run_command(Command::StopWaiting);
-        let began = Instant::now();
-        let Input::WaveSent { outcomes, .. } = next_input(&mut d).await else {
-            panic!("not the wave's end");
-        };
-        assert!(
-            began.elapsed() < Duration::from_secs(1),
-            "ended at the wave's deadline, not at its connect's"
-        );
-        assert!(
-            matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
-            "{outcomes:?}"
-        );
+        the_wave_ends_at_once_unsent(&mut d).await;
     }
 
     /// Simulation seed 1451: SIGTERM came while the loop was in a turn; the wait for the

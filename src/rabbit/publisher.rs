@@ -788,54 +788,45 @@ pub(crate) mod tests {
         });
     }
 
-    /// The wave's deadline passed before a publish began: that publish was begun all the
-    /// same (its first poll writes its frames) and went out after the deadline. It is not
-    /// begun, and not sent.
-    #[test]
-    fn no_publish_begins_after_the_waves_deadline() {
-        seeded().block_on(async {
-            let broker = Arc::new(FakeBroker::default());
-            broker.link(vec![Script::Ready(Answer::Ack(None))], None);
-            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
-            p.connect().await.expect("the fake link opens");
-            let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
-            stop.cancel();
-            let outcomes = p
-                .publish_batch(&[message("A")], &stop, &answered, open_ended())
-                .await;
-            assert!(
-                matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
-                "{outcomes:?}"
-            );
-        });
-    }
-
     /// A wave's publishes may begin any time until their deadline.
     fn open_ended() -> tokio::time::Instant {
         tokio::time::Instant::now() + Duration::from_secs(86_400)
     }
 
-    /// A broker that stopped reading held a wave's writes back past the instant its soonest
-    /// lease came within the safety margin: the publishes after it began all the same and
-    /// could reach the broker after the lease ran out, when a peer may have taken the record.
-    /// None begins from that instant: not sent.
-    #[test]
-    fn no_publish_begins_once_the_waves_leases_are_within_their_margin() {
+    /// The outcome of one message published on a link that would ack it, once the wave's
+    /// deadline passed (`stopped`) or with no publish to begin from `begin_by`.
+    fn one_publish(stopped: bool, begin_by: tokio::time::Instant) -> Vec<SendOutcome> {
         seeded().block_on(async {
             let broker = Arc::new(FakeBroker::default());
             broker.link(vec![Script::Ready(Answer::Ack(None))], None);
             let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
             p.connect().await.expect("the fake link opens");
             let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
-            let begin_by = tokio::time::Instant::now();
-            let outcomes = p
-                .publish_batch(&[message("A")], &stop, &answered, begin_by)
-                .await;
+            if stopped {
+                stop.cancel();
+            }
+            p.publish_batch(&[message("A")], &stop, &answered, begin_by)
+                .await
+        })
+    }
+
+    /// The wave's deadline passed before a publish began: that publish was begun all the
+    /// same (its first poll writes its frames) and went out after the deadline. And a broker
+    /// that stopped reading held a wave's writes back past the instant its soonest lease came
+    /// within the safety margin: the publishes after it began all the same and could reach
+    /// the broker after the lease ran out, when a peer may have taken the record. Neither
+    /// begins now: not sent.
+    #[test]
+    fn no_publish_begins_after_the_waves_deadline_or_its_leases_margin() {
+        let at_once = tokio::time::Instant::now();
+        for (stopped, begin_by) in [(true, open_ended()), (false, at_once)] {
+            let outcomes = one_publish(stopped, begin_by);
             assert!(
                 matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
-                "{outcomes:?}"
+                "stopped {stopped}: {outcomes:?}"
             );
-        });
+        }
+        assert_eq!(one_publish(false, open_ended()), [SendOutcome::Confirmed]);
     }
 
     /// A publisher whose link abandoned a confirm while the broker blocked it, and a second
