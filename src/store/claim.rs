@@ -103,7 +103,10 @@ pub struct Claim {
 /// The records a take may have leased and not yet handed over. Dropped before
 /// [`Unclaimed::handed_over`] (the take was dropped at an `.await` by its caller's deadline, or
 /// failed between the compare-and-swap and the read-back), it frees them, owner-guarded, in a
-/// task of its own: at once, rather than when the lease runs out.
+/// task of its own: at once, rather than when the lease runs out, and again one
+/// `operation_timeout` later, when the abandoned compare-and-swap has ended on the server by
+/// [`crate::store::pacing`]'s rule: a release that reached the server before it matched
+/// nothing, and the records it then leased waited a whole lease.
 struct Unclaimed {
     store: Store,
     ids: Vec<Bson>,
@@ -132,10 +135,13 @@ impl Drop for Unclaimed {
             return;
         };
         runtime.spawn(crate::host::inherit(async move {
-            let release = store.bounded("release an unfinished claim", store.release_many(&ids, owner));
-            match release.await {
-                Ok(n) => tracing::debug!(%owner, released = n, "released the records of a claim that did not finish"),
-                Err(e) => tracing::warn!(%owner, error = %e, "could not release a claim that did not finish; its leases will expire"),
+            for wait in [Duration::ZERO, store.operation_timeout()] {
+                tokio::time::sleep(wait).await;
+                let release = store.bounded("release an unfinished claim", store.release_many(&ids, owner));
+                match release.await {
+                    Ok(n) => tracing::debug!(%owner, released = n, "released the records of a claim that did not finish"),
+                    Err(e) => tracing::warn!(%owner, error = %e, "could not release a claim that did not finish; its leases will expire"),
+                }
             }
         }));
     }
@@ -421,8 +427,10 @@ mod tests {
     use crate::config::{MongoConfig, UuidRepresentation};
     use crate::record::due::Shape;
     use crate::record::guid;
-    use crate::store::backend::{Answering, Op, Reply, Written};
+    use crate::store::backend::{Answering, Backend, ChangeStream, MongoError, Op, Reply, Written};
     use crate::store::clock::ServerClock;
+    use futures::FutureExt;
+    use futures::future::BoxFuture;
 
     /// A free record due `ms` from now (negative: in the past).
     fn record(ms: i64) -> Document {
@@ -490,6 +498,73 @@ mod tests {
             .expect("one shape")
             .get_datetime("$lte")
             .expect("a bound")
+    }
+
+    /// A server that applies a take's compare-and-swap only after the caller gave up on it
+    /// (and after the release the caller sent then). Every operation is recorded.
+    #[derive(Debug)]
+    struct LateTake {
+        due: Document,
+        ops: Arc<Mutex<Vec<Op>>>,
+    }
+
+    impl Backend for LateTake {
+        fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+            self.ops
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(op.clone());
+            let taking = matches!(&op, Op::Update { update, .. } if update.get_document("$set").is_ok_and(|s| s.get(field::LOCKED) == Some(&Bson::Boolean(true))));
+            let reply = match op {
+                Op::Find { .. } => Reply::Docs(vec![self.due.clone()]),
+                _ => Reply::Written(Written::default()),
+            };
+            if taking {
+                return futures::future::pending().boxed();
+            }
+            futures::future::ready(Ok(reply)).boxed()
+        }
+        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+            futures::future::ready(Ok(Document::new())).boxed()
+        }
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+            futures::future::pending().boxed()
+        }
+        fn shutdown(&self) -> BoxFuture<'static, ()> {
+            futures::future::ready(()).boxed()
+        }
+    }
+
+    /// A take given up on by its caller is released at once; its compare-and-swap may still
+    /// land on the server after that release, leasing the records to an owner nobody holds,
+    /// for a whole lease. They are released again once it has surely ended.
+    #[tokio::test(start_paused = true)]
+    async fn a_take_given_up_on_is_released_again_once_it_has_surely_ended() {
+        let ops: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let backend = LateTake {
+            due: record(-60_000),
+            ops: ops.clone(),
+        };
+        let config = MongoConfig::default();
+        let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
+        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
+        let candidates = path
+            .candidates(10, Duration::ZERO, &[])
+            .await
+            .expect("read");
+        let take = path.take(candidates, Duration::from_secs(300));
+        let given_up = tokio::time::timeout(Duration::from_secs(1), take).await;
+        assert!(given_up.is_err(), "the take never answers");
+        tokio::time::sleep(config.operation_timeout + Duration::from_secs(1)).await;
+        let ops = ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert_eq!(
+            names(&ops),
+            ["find", "updateMany", "updateMany", "updateMany"]
+        );
     }
 
     /// Every `LockExpiresAt` bound of `$lte` in `filter`: the instants at or before which it
