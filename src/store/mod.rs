@@ -274,9 +274,10 @@ impl Store {
 
     /// Reads the server's clock (`hello.localTime`) and updates the offset estimate. Takes
     /// the sample with the shortest round trip of three, so that a first call that also opens
-    /// the connection does not skew it. Also the cheapest check that the server answers.
+    /// the connection does not skew it, unless a later one shows the server's clock stepped
+    /// since ([`clock::Sample::better`]). Also the cheapest check that the server answers.
     pub async fn refresh_clock(&self) -> Result<i64, StoreError> {
-        let mut best: Option<(Duration, DateTime, Instant, Instant)> = None;
+        let mut best: Option<clock::Sample> = None;
         for _ in 0..3 {
             let sent = Instant::now();
             let reply = self.command(doc! { "hello": 1 }).await?;
@@ -284,13 +285,17 @@ impl Store {
             let server = *reply
                 .get_datetime("localTime")
                 .map_err(|_| StoreError::NoServerTime)?;
-            let rtt = received.saturating_duration_since(sent);
-            if best.is_none_or(|(b, ..)| rtt < b) {
-                best = Some((rtt, server, sent, received));
+            let sample = clock::Sample {
+                server,
+                sent,
+                received,
+            };
+            if best.is_none_or(|b| sample.better(&b)) {
+                best = Some(sample);
             }
         }
-        let (_, server, sent, received) = best.ok_or(StoreError::NoServerTime)?;
-        Ok(self.clock.observe(server, sent, received))
+        let best = best.ok_or(StoreError::NoServerTime)?;
+        Ok(self.clock.observe(best.server, best.sent, best.received))
     }
 
     /// Deletes the given records that `owner` still holds under a live lease; returns how
