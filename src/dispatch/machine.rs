@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use bson::{Bson, DateTime, Document};
 
+use super::claims::{Claims, Gate, Step};
 use super::control::Control;
 use super::leased::{Held, Leased, instant_of, triage};
 use super::settle::{Failure, Settle, SettleQueue, by_lease};
@@ -153,100 +154,6 @@ pub struct Wave {
     stopped: bool,
     /// The broker answered one of its publishes.
     answered: bool,
-}
-
-/// The claim in flight.
-#[derive(Debug)]
-enum Step {
-    Idle,
-    /// Reading; `gate`: whether it started beside a wave the broker had not answered.
-    Reading {
-        started: Instant,
-        gate: Gate,
-    },
-    /// Read; waiting for the first answer to the wave in flight before taking them.
-    Gated {
-        started: Instant,
-        spent: Duration,
-        candidates: Candidates,
-    },
-    Taking {
-        started: Instant,
-        spent: Duration,
-        resumed: Instant,
-    },
-}
-
-/// What a claim that started beside an unanswered wave waits for before it takes anything.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Gate {
-    /// Nothing: the link had proved it answers.
-    Open,
-    /// The wave's first answer.
-    Waiting,
-    /// The wave ended (or shutdown began) unanswered: the claim takes nothing.
-    Shut,
-}
-
-/// When the next claim runs: every poll interval counted from the start of the last claim, at
-/// once while more is due, at once after a wake-up (even one that came while a claim ran),
-/// later after a failure, and never during the hold-off after unconfirmed waves.
-#[derive(Debug)]
-struct Claims {
-    poll: Duration,
-    step: Step,
-    next_at: Instant,
-    /// A wake-up came while a claim ran: claim again as soon as it returns.
-    woken: bool,
-    /// No claim before this (publishes went unconfirmed), whatever else says "at once".
-    not_before: Instant,
-    /// Spaces claims after failures (and after a timed-out one, not before its abandoned run
-    /// ended on the server: `[mongodb] operation_timeout` more).
-    failures: Pacing,
-    /// Spaces claims after waves whose publishes went unconfirmed; reset only by a wave the
-    /// broker confirmed. Not the reconnect back-off: the link that withholds confirms
-    /// reconnects fine, and the hold-off must grow all the same (issue 25, 8.5).
-    unconfirmed: Backoff,
-}
-
-impl Claims {
-    fn next_at(&self) -> Instant {
-        self.next_at.max(self.not_before)
-    }
-
-    fn wake(&mut self, at: Instant) {
-        match self.step {
-            Step::Idle => self.next_at = at,
-            _ => self.woken = true,
-        }
-    }
-
-    fn finished(&mut self, started: Instant, more: bool, at: Instant) {
-        self.step = Step::Idle;
-        self.next_at = if more || std::mem::take(&mut self.woken) {
-            at
-        } else {
-            // `poll_interval` comes from the configuration: it may be absurd.
-            crate::deadline::later(started, self.poll)
-        };
-    }
-
-    /// A claim failed: try again after `wait`. A wake-up that comes once it failed (an insert,
-    /// a change of pauses or shapes) claims at once all the same, beside a timed-out run the
-    /// server may still be running: the one exception to `store/pacing.rs`'s rule, and a
-    /// bounded one (one claim at a time, so at most one abandoned run beside it), taken
-    /// because a timeout must fire on time. Holding it to `wait` made a record inserted after
-    /// a lost reply 348 ms late where 250 are allowed (the simulation's `late` invariant,
-    /// seed 215).
-    fn failed(&mut self, wait: Duration, at: Instant) {
-        self.step = Step::Idle;
-        self.woken = false;
-        self.next_at = at + wait;
-    }
-
-    fn hold_off(&mut self, wait: Duration, at: Instant) {
-        self.not_before = self.not_before.max(at + wait);
-    }
 }
 
 /// The settling tasks running and the records they settle.

@@ -4,6 +4,7 @@
 //! Nothing is deleted unless its publish was confirmed and its claim's lease still held; when
 //! in doubt a record is left for a later poll.
 
+mod claims;
 mod control;
 mod driver;
 pub mod leased;
