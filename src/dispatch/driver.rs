@@ -7,6 +7,10 @@
 //! machine is caught: the daemon is marked failed, the loop releases what it holds and
 //! returns an error, and the process exits non-zero. A task that panics is told apart by its
 //! id: the machine hears which one died.
+//!
+//! Long, as one concept: each command's task and the one `select!` that turns its result into an
+//! input belong side by side, so that a reader sees which input every task returns (about 480 lines
+//! of code, the rest its tests).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;

@@ -5,6 +5,10 @@
 //! (`driver.rs`) runs its commands as tasks and feeds their results back.
 //!
 //! `ARCHITECTURE.md` ("One record, from claim to delete") follows one record through it.
+//!
+//! Long, as one concept: the rules a record meets from claim to delete, which ARCHITECTURE.md asks
+//! a reader to follow in one reading; the claim schedule (`claims.rs`), the leased type
+//! (`leased.rs`), the settling work (`settle.rs`) and the tests (`machine_tests.rs`) are apart.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -1,5 +1,7 @@
 //! The machine's rules, each driven by inputs on a clock the test moves: no server, no
 //! runtime, no wall time.
+//!
+//! Long, as one concept: the tests of `machine.rs`'s rules, each named for the rule it shows.
 
 use std::time::UNIX_EPOCH;
 

@@ -3,6 +3,10 @@
 //! be sent. The machine queues each [`Settle`] in one bounded [`SettleQueue`]; the driver runs
 //! each as a task ([`Settler::run`]). Every write is guarded by the claim's owner and live
 //! lease, and bounded by `[mongodb] operation_timeout`.
+//!
+//! Long, as one concept: the settling work, its one queue and the `Unremoved` guard share the
+//! lease-margin rule and the accounting of what a removal may leave (about 540 lines of code, the
+//! rest its tests).
 
 use std::collections::VecDeque;
 use std::time::Duration;

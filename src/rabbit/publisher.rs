@@ -4,6 +4,10 @@
 //! A batch is published pipelined (every `basic.publish` goes out before any confirm is
 //! awaited), then the confirms are awaited together. Each message gets its own
 //! [`SendOutcome`]; only [`SendOutcome::Confirmed`] may lead to deleting its record.
+//!
+//! Long, as one concept: one connection's life: failover, a wave's pipelined publishes and their
+//! confirms, returns matched to them, and the suspect-link policy share its state (about 500 lines
+//! of code, the rest its tests).
 
 use futures::FutureExt;
 use futures::future::join_all;

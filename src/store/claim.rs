@@ -8,6 +8,9 @@
 //! benchmark's drain of 50,000 records on SecantusDB went from 0.51x to 0.58x of the database
 //! write floor measured in the same run without it (the server's one core is the limit there,
 //! and the read-back was a second read of every record).
+//!
+//! Long, as one concept: the claim's steps, read, take and read back, in the order they run, with
+//! the state only the claim path keeps (about 420 lines of code, the rest its tests).
 
 use std::future::IntoFuture;
 use std::time::Duration;

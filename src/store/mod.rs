@@ -5,6 +5,9 @@
 //! fields of an existing record and deletes by `_id`. [`Store`] is the handle on the
 //! collections and nothing else: the state of other concerns (pauses, the census's memory) is
 //! kept by them and handed in.
+//!
+//! Long, as one concept: `Store` and its guarded writes: every write on a claimed record sits next
+//! to `bounded`, the one bounded call (about 450 lines of code, the rest its tests).
 
 pub mod backend;
 pub mod backlog;

@@ -11,6 +11,10 @@
 //! sent it and deleted it), the parked copy is removed again (unless a racing park that
 //! deleted the record found it there and kept it) and the failed-send count, which is the new
 //! holder's now, is left alone.
+//!
+//! Long, as one concept: the retry counts and the parked copies are one protocol over two
+//! collections, with the rules for a race between two instances parking one record (about 440 lines
+//! of code, the rest its tests).
 
 use std::time::Duration;
 
