@@ -770,3 +770,41 @@ fn a_wave_begins_no_publish_past_its_soonest_leases_margin() {
     });
     assert_eq!(begin_by, Some(r.at + Duration::from_secs(30) - margin));
 }
+
+/// A wave that failed is released at once, while the later records of its claim wait for
+/// their instant under the same lease (before, a failed wave was released only once nothing
+/// of its claim was held any more: here, 40 s later).
+#[test]
+fn a_failed_wave_is_released_at_once_while_later_records_of_its_claim_are_held() {
+    let mut r = Rig::up(Config::default());
+    assert!(r.reads());
+    r.candidates(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    assert!(r.takes());
+    let lease = r.lease(120);
+    let later = DateTime::from_millis(r.server().timestamp_millis() + 40_000);
+    let rows = (1..=5)
+        .map(|n| leased(n, r.server(), lease))
+        .chain((6..=10).map(|n| leased(n, later, lease)))
+        .collect();
+    r.handle(Input::Claimed(Ok(claim_of(rows, lease))));
+    assert_eq!(r.publish().len(), 5, "the five due now");
+    let outcomes = (0..5).map(|_| SendOutcome::TimedOut).collect();
+    r.handle(Input::WaveSent {
+        outcomes,
+        open: OPEN,
+    });
+    let released: Vec<Bson> = r
+        .commands()
+        .into_iter()
+        .flat_map(|c| match c {
+            Command::Settle(Settle::Release { ids, .. }) => ids,
+            _ => Vec::new(),
+        })
+        .collect();
+    assert_eq!(released, (1..=5).map(Bson::Int32).collect::<Vec<_>>());
+    assert_eq!(
+        r.m.held.len(),
+        5,
+        "the later five are held for their instant"
+    );
+}
