@@ -482,7 +482,17 @@ impl Settler {
             return 0;
         }
         let store = &self.store;
-        match store.bounded("name lost leases", store.existing(ids)).await {
+        let named = tokio::select! {
+            biased;
+            named = store.bounded("name lost leases", store.existing(ids)) => named,
+            // Like the delete, the look-up yields to the end of the shutdown's drain.
+            _ = self.drain_over.cancelled() => {
+                sent_and_lost(short);
+                tracing::warn!(%owner, records = short, "lease lost on some sent records; the shutdown's drain ended before they could be named");
+                return 0;
+            }
+        };
+        match named {
             Ok(still_there) => {
                 let lost: Vec<&Leased> = confirmed
                     .iter()
@@ -662,6 +672,104 @@ pub(crate) mod tests {
             "it gave up when the drain ended, not at its operation_timeout"
         );
         assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
+    }
+
+    /// A server whose delete removes two of the three records it is given and whose reads never
+    /// answer: a removal names its lost leases with a read that hangs.
+    #[derive(Debug)]
+    struct ShortDeleteThenSilent;
+
+    impl crate::store::backend::Backend for ShortDeleteThenSilent {
+        fn run(
+            &self,
+            _: &str,
+            op: crate::store::backend::Op,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::Reply, crate::store::backend::MongoError>,
+        > {
+            use crate::store::backend::{Op, Reply, Written};
+            use futures::FutureExt;
+            match op {
+                // The test gives it three.
+                Op::Delete { .. } => {
+                    let written = Written {
+                        deleted: 2,
+                        ..Written::default()
+                    };
+                    futures::future::ready(Ok(Reply::Written(written))).boxed()
+                }
+                _ => futures::future::pending().boxed(),
+            }
+        }
+        fn command(
+            &self,
+            _: Document,
+        ) -> futures::future::BoxFuture<'static, Result<Document, crate::store::backend::MongoError>>
+        {
+            Box::pin(futures::future::pending())
+        }
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::ChangeStream, crate::store::backend::MongoError>,
+        > {
+            Box::pin(futures::future::pending())
+        }
+        fn shutdown(&self) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(futures::future::ready(()))
+        }
+    }
+
+    fn counter(metrics: &PrometheusHandle, name: &str) -> f64 {
+        let value = |l: &str| l.rsplit(' ').next()?.parse::<f64>().ok();
+        let text = metrics.render();
+        let named = |l: &&str| l.starts_with(name);
+        text.lines().filter(named).filter_map(value).sum()
+    }
+
+    /// A delete that removed fewer records than it was given is followed by a read that names
+    /// the lost leases. That read did not yield to the end of the shutdown's drain: the loop
+    /// waited up to `operation_timeout` for it, past the drain, and the daemon's abort then
+    /// counted every record (those deleted too) as a possible duplicate and none as removed.
+    #[tokio::test(start_paused = true)]
+    async fn naming_lost_leases_gives_up_when_the_drain_ends() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let mut config = Config::default();
+        config.mongodb.operation_timeout = Duration::from_secs(600);
+        let backend = Arc::new(ShortDeleteThenSilent);
+        let store = Store::with_backend(backend, &config.mongodb, ServerClock::default());
+        // `stalled`'s settler and records, over this store instead.
+        let (settler, confirmed, lease) = {
+            let (_server, port) = silent_server();
+            let (mut settler, confirmed, lease) = stalled(port, HOUR, 3, HOUR).await;
+            settler.store = store;
+            (settler, confirmed, lease)
+        };
+        let over = Instant::now() + Duration::from_secs(25);
+        let ending = settler.drain_over.clone();
+        crate::host::spawn(async move {
+            tokio::time::sleep_until(over).await;
+            ending.cancel();
+        });
+        settler
+            .run(Settle::Remove {
+                lease,
+                records: confirmed,
+            })
+            .await;
+        let now = Instant::now();
+        assert!(
+            now >= over && now < over + Duration::from_secs(1),
+            "it gave up when the drain ended, not at its operation_timeout"
+        );
+        let handle = recorder.handle();
+        assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
+        assert_eq!(counter(&handle, "timeoutd_possible_duplicates_total"), 1.0);
     }
 
     /// A removal whose task was aborted before its first poll (the end of the drain, right
