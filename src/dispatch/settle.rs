@@ -516,8 +516,9 @@ impl Settler {
 }
 
 /// A removal's confirmed records, counted as possible duplicates if it is dropped unfinished
-/// (aborted at the end of the shutdown's drain, before or after it began, or panicked): they
-/// stay leased, and whoever claims them once the lease ran out sends them again.
+/// (aborted at the end of the shutdown's drain, before or after it began: cause `shutdown`; or
+/// panicked: cause `panic`): they stay leased, and whoever claims them once the lease ran out
+/// sends them again.
 struct Unremoved {
     records: Vec<Leased>,
     lease: Lease,
@@ -533,7 +534,12 @@ impl Drop for Unremoved {
             self.lease.owner,
             "removal of a sent record abandoned; it stays leased and may be sent again after the lease",
         );
-        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.records.len());
+        // A task that panicked drops its future while it unwinds.
+        let cause = match std::thread::panicking() {
+            true => m::DUPLICATE_PANIC,
+            false => m::DUPLICATE_SHUTDOWN,
+        };
+        m::possible_duplicates(cause, self.records.len());
     }
 }
 
@@ -770,6 +776,75 @@ pub(crate) mod tests {
         let handle = recorder.handle();
         assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
         assert_eq!(counter(&handle, "timeoutd_possible_duplicates_total"), 1.0);
+    }
+
+    /// A server whose every call panics (a bug on the way to it).
+    #[derive(Debug)]
+    struct Panicking;
+
+    impl crate::store::backend::Backend for Panicking {
+        fn run(
+            &self,
+            _: &str,
+            _: crate::store::backend::Op,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::Reply, crate::store::backend::MongoError>,
+        > {
+            panic!("the removal panics (test)")
+        }
+        fn command(
+            &self,
+            _: Document,
+        ) -> futures::future::BoxFuture<'static, Result<Document, crate::store::backend::MongoError>>
+        {
+            panic!("the removal panics (test)")
+        }
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::ChangeStream, crate::store::backend::MongoError>,
+        > {
+            panic!("the removal panics (test)")
+        }
+        fn shutdown(&self) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(futures::future::ready(()))
+        }
+    }
+
+    /// A removal whose task panicked, with no shutdown anywhere, counted its records as
+    /// possible duplicates of cause `shutdown`. They count as `panic`.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_that_panics_counts_its_records_as_duplicates_by_panic() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let config = Config::default();
+        let store =
+            Store::with_backend(Arc::new(Panicking), &config.mongodb, ServerClock::default());
+        // `stalled`'s settler and records, over this store instead, and no shutdown.
+        let (settler, confirmed, lease) = {
+            let (_server, port) = silent_server();
+            let (mut settler, confirmed, lease) = stalled(port, HOUR, 3, HOUR).await;
+            settler.store = store;
+            settler.shutdown = CancellationToken::new();
+            (settler, confirmed, lease)
+        };
+        let removal = crate::host::spawn(settler.run(Settle::Remove {
+            lease,
+            records: confirmed,
+        }));
+        assert!(removal.await.is_err_and(|e| e.is_panic()));
+        let handle = recorder.handle();
+        let by = |cause: &str| {
+            counter(
+                &handle,
+                &format!("timeoutd_possible_duplicates_total{{cause=\"{cause}\"}}"),
+            )
+        };
+        assert_eq!((by("panic"), by("shutdown")), (3.0, 0.0));
     }
 
     /// A removal whose task was aborted before its first poll (the end of the drain, right
