@@ -276,16 +276,19 @@ impl Dispatcher {
                 None => std::future::pending().await,
             }
         };
-        // Shutdown first; the timer last (every turn acts on whatever time has passed).
+        // Shutdown first; the timer last (every turn acts on whatever time has passed). The
+        // wave's first answer before the tasks: a wave answered and ended by the same confirm
+        // (one message) is heard as answered before it is heard as ended, or the machine takes
+        // it as unanswered and a claim gated on it drops its candidates.
         tokio::select! {
             biased;
             _ = self.shutdown.cancelled(), if !stopping => Input::Shutdown,
+            _ = answered => Input::Answered,
             Some(done) = self.tasks.join_next_with_id() => self.finished(done),
             _ = self.signals.inserted.notified(), if !stopping => Input::Inserted,
             // Records of a shape the claims did not query may be due.
             _ = self.shapes.changed(), if !stopping => Input::Inserted,
             _ = self.signals.control.notified(), if !stopping => Input::Control(self.control.get()),
-            _ = answered => Input::Answered,
             _ = tokio::time::sleep_until(tick) => Input::Timeout,
         }
     }
@@ -606,6 +609,87 @@ mod tests {
         let now = d.now();
         let input = d.next_input(&now).await;
         assert!(matches!(input, Input::Shutdown), "{input:?}");
+    }
+
+    /// Every command the machine gives now, not run.
+    fn commands(d: &mut Dispatcher, now: &Now) -> Vec<Command> {
+        std::iter::from_fn(|| d.machine.poll_command(now)).collect()
+    }
+
+    /// A claim that began beside an unanswered wave waits for the broker's first answer
+    /// before it takes its candidates. A wave of one message is answered and ends at once
+    /// (its one confirm is both): the loop heard the wave's end first, the machine took the
+    /// wave as unanswered, and the claim dropped its candidates until the next poll.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_beside_a_wave_confirmed_at_once_takes_its_candidates() {
+        use crate::rabbit::link::Answer;
+        use crate::rabbit::publisher::tests::fake::Script;
+        use crate::store::claim::ClaimedRow;
+        use crate::store::lease::Lease;
+        let broker = Arc::new(FakeBroker::default());
+        broker.link(vec![Script::Ready(Answer::Ack(None))], None);
+        let config = Config::default();
+        let poll = config.dispatch.poll_interval;
+        let mut publisher = Publisher::with_broker(&config.rabbitmq, broker);
+        publisher.connect().await.expect("connected");
+        let mut d = dispatcher(config, Some(publisher)).await;
+        let now = d.now();
+        assert!(matches!(commands(&mut d, &now)[..], [Command::Connect]));
+        d.machine
+            .handle(Input::Connected(Ok(DEFAULT_FRAME_MAX)), &now);
+        assert!(matches!(commands(&mut d, &now)[..], [Command::Read { .. }]));
+        let one = |n| Candidates::of(vec![bson::Bson::Int32(n)]);
+        d.machine.handle(Input::Candidates(Ok(one(1))), &now);
+        assert!(matches!(commands(&mut d, &now)[..], [Command::Take { .. }]));
+        let record = TimeoutRecord {
+            id: crate::host::uuid(),
+            destination: "q".into(),
+            process_manager_id: crate::host::uuid(),
+            due: now.server,
+            headers: bson::doc! {},
+        };
+        let row = ClaimedRow {
+            id: bson::Bson::Int32(1),
+            raw: bson::doc! {},
+            record: Ok(record),
+        };
+        let claim = Claim {
+            lease: Lease::new(now.server, Duration::from_secs(60)),
+            rows: vec![row],
+            more: false,
+            read: 1,
+        };
+        d.machine.handle(Input::Claimed(Ok(claim)), &now);
+        for command in commands(&mut d, &now) {
+            assert!(matches!(command, Command::Publish { .. }), "{command:?}");
+            d.run_command(command);
+        }
+        // The next claim begins beside the wave, which the broker has not answered yet.
+        let mut later = now;
+        later.at += poll;
+        assert!(matches!(
+            commands(&mut d, &later)[..],
+            [Command::Read { .. }]
+        ));
+        d.machine.handle(Input::Candidates(Ok(one(2))), &later);
+        assert!(commands(&mut d, &later).is_empty(), "gated");
+        // The broker confirms the one message: the wave is answered and ends.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let (mut took, mut confirmed) = (false, false);
+        for _ in 0..2 {
+            let input = d.next_input(&later).await;
+            if let Input::WaveSent { outcomes, .. } = &input {
+                confirmed = matches!(outcomes[..], [SendOutcome::Confirmed]);
+            }
+            d.machine.handle(input, &later);
+            let commands = commands(&mut d, &later);
+            took |= commands.iter().any(|c| matches!(c, Command::Take { .. }));
+        }
+        assert!(confirmed, "the wave was confirmed");
+        assert!(
+            took,
+            "the claim took its candidates once the wave was answered"
+        );
     }
 
     fn the_link_task_panics() -> Done {

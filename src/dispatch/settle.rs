@@ -486,7 +486,17 @@ impl Settler {
             return 0;
         }
         let store = &self.store;
-        match store.bounded("name lost leases", store.existing(ids)).await {
+        let named = tokio::select! {
+            biased;
+            named = store.bounded("name lost leases", store.existing(ids)) => named,
+            // Like the delete, the look-up yields to the end of the shutdown's drain.
+            _ = self.drain_over.cancelled() => {
+                sent_and_lost(short);
+                tracing::warn!(%owner, records = short, "lease lost on some sent records; the shutdown's drain ended before they could be named");
+                return 0;
+            }
+        };
+        match named {
             Ok(still_there) => {
                 let lost: Vec<&Leased> = confirmed
                     .iter()
@@ -510,8 +520,9 @@ impl Settler {
 }
 
 /// A removal's confirmed records, counted as possible duplicates if it is dropped unfinished
-/// (aborted at the end of the shutdown's drain, before or after it began, or panicked): they
-/// stay leased, and whoever claims them once the lease ran out sends them again.
+/// (aborted at the end of the shutdown's drain, before or after it began: cause `shutdown`; or
+/// panicked: cause `panic`): they stay leased, and whoever claims them once the lease ran out
+/// sends them again.
 struct Unremoved {
     records: Vec<Leased>,
     lease: Lease,
@@ -527,7 +538,12 @@ impl Drop for Unremoved {
             self.lease.owner,
             "removal of a sent record abandoned; it stays leased and may be sent again after the lease",
         );
-        m::possible_duplicates(m::DUPLICATE_SHUTDOWN, self.records.len());
+        // A task that panicked drops its future while it unwinds.
+        let cause = match std::thread::panicking() {
+            true => m::DUPLICATE_PANIC,
+            false => m::DUPLICATE_SHUTDOWN,
+        };
+        m::possible_duplicates(cause, self.records.len());
     }
 }
 
@@ -666,6 +682,173 @@ pub(crate) mod tests {
             "it gave up when the drain ended, not at its operation_timeout"
         );
         assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
+    }
+
+    /// A server whose delete removes two of the three records it is given and whose reads never
+    /// answer: a removal names its lost leases with a read that hangs.
+    #[derive(Debug)]
+    struct ShortDeleteThenSilent;
+
+    impl crate::store::backend::Backend for ShortDeleteThenSilent {
+        fn run(
+            &self,
+            _: &str,
+            op: crate::store::backend::Op,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::Reply, crate::store::backend::MongoError>,
+        > {
+            use crate::store::backend::{Op, Reply, Written};
+            use futures::FutureExt;
+            match op {
+                // The test gives it three.
+                Op::Delete { .. } => {
+                    let written = Written {
+                        deleted: 2,
+                        ..Written::default()
+                    };
+                    futures::future::ready(Ok(Reply::Written(written))).boxed()
+                }
+                _ => futures::future::pending().boxed(),
+            }
+        }
+        fn command(
+            &self,
+            _: Document,
+        ) -> futures::future::BoxFuture<'static, Result<Document, crate::store::backend::MongoError>>
+        {
+            Box::pin(futures::future::pending())
+        }
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::ChangeStream, crate::store::backend::MongoError>,
+        > {
+            Box::pin(futures::future::pending())
+        }
+        fn shutdown(&self) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(futures::future::ready(()))
+        }
+    }
+
+    fn counter(metrics: &PrometheusHandle, name: &str) -> f64 {
+        let value = |l: &str| l.rsplit(' ').next()?.parse::<f64>().ok();
+        let text = metrics.render();
+        let named = |l: &&str| l.starts_with(name);
+        text.lines().filter(named).filter_map(value).sum()
+    }
+
+    /// A delete that removed fewer records than it was given is followed by a read that names
+    /// the lost leases. That read did not yield to the end of the shutdown's drain: the loop
+    /// waited up to `operation_timeout` for it, past the drain, and the daemon's abort then
+    /// counted every record (those deleted too) as a possible duplicate and none as removed.
+    #[tokio::test(start_paused = true)]
+    async fn naming_lost_leases_gives_up_when_the_drain_ends() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let mut config = Config::default();
+        config.mongodb.operation_timeout = Duration::from_secs(600);
+        let backend = Arc::new(ShortDeleteThenSilent);
+        let store = Store::with_backend(backend, &config.mongodb, ServerClock::default());
+        // `stalled`'s settler and records, over this store instead.
+        let (settler, confirmed, lease) = {
+            let (_server, port) = silent_server();
+            let (mut settler, confirmed, lease) = stalled(port, HOUR, 3, HOUR).await;
+            settler.store = store;
+            (settler, confirmed, lease)
+        };
+        let over = Instant::now() + Duration::from_secs(25);
+        let ending = settler.drain_over.clone();
+        crate::host::spawn(async move {
+            tokio::time::sleep_until(over).await;
+            ending.cancel();
+        });
+        settler
+            .run(Settle::Remove {
+                lease,
+                records: confirmed,
+            })
+            .await;
+        let now = Instant::now();
+        assert!(
+            now >= over && now < over + Duration::from_secs(1),
+            "it gave up when the drain ended, not at its operation_timeout"
+        );
+        let handle = recorder.handle();
+        assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
+        assert_eq!(counter(&handle, "timeoutd_possible_duplicates_total"), 1.0);
+    }
+
+    /// A server whose every call panics (a bug on the way to it).
+    #[derive(Debug)]
+    struct Panicking;
+
+    impl crate::store::backend::Backend for Panicking {
+        fn run(
+            &self,
+            _: &str,
+            _: crate::store::backend::Op,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::Reply, crate::store::backend::MongoError>,
+        > {
+            panic!("the removal panics (test)")
+        }
+        fn command(
+            &self,
+            _: Document,
+        ) -> futures::future::BoxFuture<'static, Result<Document, crate::store::backend::MongoError>>
+        {
+            panic!("the removal panics (test)")
+        }
+        fn watch(
+            &self,
+            _: &str,
+            _: Vec<Document>,
+        ) -> futures::future::BoxFuture<
+            'static,
+            Result<crate::store::backend::ChangeStream, crate::store::backend::MongoError>,
+        > {
+            panic!("the removal panics (test)")
+        }
+        fn shutdown(&self) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(futures::future::ready(()))
+        }
+    }
+
+    /// A removal whose task panicked, with no shutdown anywhere, counted its records as
+    /// possible duplicates of cause `shutdown`. They count as `panic`.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_that_panics_counts_its_records_as_duplicates_by_panic() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let config = Config::default();
+        let store =
+            Store::with_backend(Arc::new(Panicking), &config.mongodb, ServerClock::default());
+        // `stalled`'s settler and records, over this store instead, and no shutdown.
+        let (settler, confirmed, lease) = {
+            let (_server, port) = silent_server();
+            let (mut settler, confirmed, lease) = stalled(port, HOUR, 3, HOUR).await;
+            settler.store = store;
+            settler.shutdown = CancellationToken::new();
+            (settler, confirmed, lease)
+        };
+        let removal = crate::host::spawn(settler.run(Settle::Remove {
+            lease,
+            records: confirmed,
+        }));
+        assert!(removal.await.is_err_and(|e| e.is_panic()));
+        let handle = recorder.handle();
+        let by = |cause: &str| {
+            counter(
+                &handle,
+                &format!("timeoutd_possible_duplicates_total{{cause=\"{cause}\"}}"),
+            )
+        };
+        assert_eq!((by("panic"), by("shutdown")), (3.0, 0.0));
     }
 
     /// A removal whose task was aborted before its first poll (the end of the drain, right

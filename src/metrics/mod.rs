@@ -57,7 +57,8 @@ pub const POSSIBLE_DUPLICATE_CAUSES: &[&str] = &[
 pub const DUPLICATE_TIMEOUT: &str = "timeout";
 /// The connection or channel failed after the message went out.
 pub const DUPLICATE_CONNECTION: &str = "connection";
-/// The task publishing a wave panicked or was cancelled with the wave in flight.
+/// The task publishing a wave panicked or was cancelled with the wave in flight, or a removal
+/// of confirmed records panicked.
 pub const DUPLICATE_PANIC: &str = "panic";
 /// Confirmed, but shutdown cut the removal short (or the loop ended unsettled): the record stays leased and is sent again
 /// after its lease.
@@ -184,7 +185,7 @@ pub const SERIES: &[Series] = &[
     ),
     counter(
         "timeoutd_possible_duplicates_total",
-        "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
+        "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave, or a removal of confirmed records panicked), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
     )
     .by("cause", POSSIBLE_DUPLICATE_CAUSES),
     counter("timeoutd_reaped_total", "Expired leases the reaper freed."),
