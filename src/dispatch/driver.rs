@@ -276,19 +276,18 @@ impl Dispatcher {
                 None => std::future::pending().await,
             }
         };
-        // Shutdown first; the timer last (every turn acts on whatever time has passed). The
-        // wave's first answer before the tasks: a wave answered and ended by the same confirm
-        // (one message) is heard as answered before it is heard as ended, or the machine takes
-        // it as unanswered and a claim gated on it drops its candidates.
+        // Shutdown first; the timer last (every turn acts on whatever time has passed). A wave
+        // answered and ended by the same confirm may be heard ended before answered: the
+        // machine reads the answer from its outcomes.
         tokio::select! {
             biased;
             _ = self.shutdown.cancelled(), if !stopping => Input::Shutdown,
-            _ = answered => Input::Answered,
             Some(done) = self.tasks.join_next_with_id() => self.finished(done),
             _ = self.signals.inserted.notified(), if !stopping => Input::Inserted,
             // Records of a shape the claims did not query may be due.
             _ = self.shapes.changed(), if !stopping => Input::Inserted,
             _ = self.signals.control.notified(), if !stopping => Input::Control(self.control.get()),
+            _ = answered => Input::Answered,
             _ = tokio::time::sleep_until(tick) => Input::Timeout,
         }
     }

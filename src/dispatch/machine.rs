@@ -766,7 +766,10 @@ impl Machine {
         let Link::Publishing(wave) = std::mem::replace(&mut self.link, next) else {
             return;
         };
-        self.end_gate(wave.answered, now.at);
+        // A wave answered and ended by the same confirm (one message) may end before the
+        // driver passed its first answer on: an answer among its outcomes counts.
+        let answered = wave.answered || outcomes.iter().any(SendOutcome::is_answer);
+        self.end_gate(answered, now.at);
         let took = now.at.saturating_duration_since(wave.started);
         m::publish_confirm(took);
         self.health.set_up(m::RABBITMQ, open.is_some());

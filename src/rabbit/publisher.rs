@@ -61,6 +61,15 @@ impl SendOutcome {
         }
     }
 
+    /// Whether this is the broker's answer to the message (a confirm, with or without a
+    /// return, or a nack): the link answers.
+    pub fn is_answer(&self) -> bool {
+        matches!(
+            self,
+            SendOutcome::Confirmed | SendOutcome::Returned | SendOutcome::Nacked
+        )
+    }
+
     /// Whether the broker may have delivered the message although no confirm says so.
     pub fn outcome_unknown(&self) -> bool {
         matches!(self, SendOutcome::TimedOut | SendOutcome::Connection(_))
