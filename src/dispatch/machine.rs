@@ -632,7 +632,10 @@ impl Machine {
     }
 
     fn claim_failed(&mut self, e: StoreError, now: &Now) {
-        self.health.set_up(m::MONGODB, false);
+        // A claim task that panicked is timeoutd's fault, not the database's.
+        if !matches!(e, StoreError::Panicked(_)) {
+            self.health.set_up(m::MONGODB, false);
+        }
         let wait = self.claims.failures.delay_after(&e);
         tracing::warn!(error = %e, retry_in = ?wait, "claim failed");
         self.claims.failed(wait, now.at);
