@@ -1311,18 +1311,27 @@ impl Collection {
     }
 }
 
+/// The server's clock: `anchor_us` (Unix µs) at `anchor`, running `drift_ppm` fast or slow
+/// since. Kept in µs, so that moving the anchor (a step, a new drift) loses no fraction of a
+/// millisecond: that would be a step back no fault recorded (simulation seed 16325, 1 ms
+/// "early" past a recorded step of 159 ms).
 #[derive(Debug, Clone, Copy)]
 struct ServerClock {
     anchor: Instant,
-    anchor_ms: i64,
+    anchor_us: i64,
     drift_ppm: i64,
 }
 
 impl ServerClock {
-    fn at(&self, now: Instant) -> i64 {
+    fn at_us(&self, now: Instant) -> i64 {
         let us = now.saturating_duration_since(self.anchor).as_micros() as i64;
         let drifted = us.saturating_add(us.saturating_mul(self.drift_ppm) / 1_000_000);
-        self.anchor_ms.saturating_add(drifted / 1000)
+        self.anchor_us.saturating_add(drifted)
+    }
+
+    /// The server clock in Unix ms, as `$$NOW` and `hello.localTime` read it.
+    fn at(&self, now: Instant) -> i64 {
+        self.at_us(now).div_euclid(1000)
     }
 }
 
@@ -1512,7 +1521,7 @@ impl MongoModel {
             client_faults: HashMap::new(),
             clock: ServerClock {
                 anchor: now,
-                anchor_ms: start_ms,
+                anchor_us: start_ms.saturating_mul(1000),
                 drift_ppm: 0,
             },
             stepdown_until: None,
@@ -1623,10 +1632,10 @@ impl MongoModel {
     pub fn step_clock_ms(&self, ms: i64) {
         let mut s = self.lock();
         let now = Instant::now();
-        let at = s.clock.at(now);
+        let at = s.clock.at_us(now);
         s.clock = ServerClock {
             anchor: now,
-            anchor_ms: at.saturating_add(ms),
+            anchor_us: at.saturating_add(ms.saturating_mul(1000)),
             drift_ppm: s.clock.drift_ppm,
         };
     }
@@ -1635,10 +1644,10 @@ impl MongoModel {
     pub fn set_drift_ppm(&self, ppm: i64) {
         let mut s = self.lock();
         let now = Instant::now();
-        let at = s.clock.at(now);
+        let at = s.clock.at_us(now);
         s.clock = ServerClock {
             anchor: now,
-            anchor_ms: at,
+            anchor_us: at,
             drift_ppm: ppm,
         };
     }
