@@ -654,16 +654,9 @@ pub(crate) mod tests {
         assert_eq!(possible_duplicates(&recorder.handle()), 3.0);
     }
 
-    /// Issue 25, 8.6: removals give up when the shutdown's drain ends (before the daemon
-    /// aborts the loop), counting what they could not remove as possible duplicates. When
-    /// the drain ends is the machine's rule (`the_drain_ends_...` in `machine.rs`).
-    #[tokio::test(start_paused = true)]
-    async fn removals_give_up_when_the_drain_ends_and_count_their_records() {
-        let recorder = PrometheusBuilder::new().build_recorder();
-        let _recorder = metrics::set_default_local_recorder(&recorder);
-        // A removal whose delete would wait its whole operation_timeout.
-        let (_server, port) = silent_server();
-        let (settler, confirmed, lease) = stalled(port, Duration::from_secs(600), 2, HOUR).await;
+    /// Runs a removal of `confirmed` while the shutdown's drain ends 25 s from now, and checks
+    /// that it gave up then (not at its `operation_timeout`).
+    async fn removal_until_the_drain_ends(settler: Settler, confirmed: Vec<Leased>, lease: Lease) {
         let over = Instant::now() + Duration::from_secs(25);
         let ending = settler.drain_over.clone();
         crate::host::spawn(async move {
@@ -681,6 +674,19 @@ pub(crate) mod tests {
             now >= over && now < over + Duration::from_secs(1),
             "it gave up when the drain ended, not at its operation_timeout"
         );
+    }
+
+    /// Issue 25, 8.6: removals give up when the shutdown's drain ends (before the daemon
+    /// aborts the loop), counting what they could not remove as possible duplicates. When
+    /// the drain ends is the machine's rule (`the_drain_ends_...` in `machine.rs`).
+    #[tokio::test(start_paused = true)]
+    async fn removals_give_up_when_the_drain_ends_and_count_their_records() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        // A removal whose delete would wait its whole operation_timeout.
+        let (_server, port) = silent_server();
+        let (settler, confirmed, lease) = stalled(port, Duration::from_secs(600), 2, HOUR).await;
+        removal_until_the_drain_ends(settler, confirmed, lease).await;
         assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
     }
 
@@ -760,23 +766,7 @@ pub(crate) mod tests {
             settler.store = store;
             (settler, confirmed, lease)
         };
-        let over = Instant::now() + Duration::from_secs(25);
-        let ending = settler.drain_over.clone();
-        crate::host::spawn(async move {
-            tokio::time::sleep_until(over).await;
-            ending.cancel();
-        });
-        settler
-            .run(Settle::Remove {
-                lease,
-                records: confirmed,
-            })
-            .await;
-        let now = Instant::now();
-        assert!(
-            now >= over && now < over + Duration::from_secs(1),
-            "it gave up when the drain ended, not at its operation_timeout"
-        );
+        removal_until_the_drain_ends(settler, confirmed, lease).await;
         let handle = recorder.handle();
         assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
         assert_eq!(counter(&handle, "timeoutd_possible_duplicates_total"), 1.0);
