@@ -4,10 +4,14 @@
 # that requires client certificates. Idempotent: reuses a node that is already up.
 # Prints the directory holding ca.pem, client.pem and client.key. Needs root (the node runs as
 # the rabbitmq user) and Debian's rabbitmq-server, as on the project's machines.
+# Callers may run at once (nextest runs each test in a process of its own): a lock makes the
+# second wait for the first's node instead of writing new certificates under it.
 set -euo pipefail
 DIR="${1:-/tmp/timeoutd-tls-rabbitmq}"
 PORT="${TIMEOUTD_TLS_RABBITMQ_PORT:-5671}"
 NODE="timeoutd-tls@localhost"
+exec 9>"$DIR.lock"
+flock 9
 
 up() { (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; }
 
@@ -46,7 +50,7 @@ chmod -R a+rX "$DIR"
 RABBITMQ_NODENAME="$NODE" RABBITMQ_DIST_PORT=25673 RABBITMQ_CONFIG_FILE="$DIR/rabbitmq" \
   RABBITMQ_ENABLED_PLUGINS_FILE="$DIR/enabled_plugins" RABBITMQ_MNESIA_BASE="$DIR/mnesia" \
   RABBITMQ_LOG_BASE="$DIR/log" RABBITMQ_PID_FILE="$DIR/pid" \
-  rabbitmq-server -detached >/dev/null 2>&1
+  rabbitmq-server -detached >/dev/null 2>&1 9>&- # the node must not hold the lock
 for _ in $(seq 1 120); do
   if up; then
     echo "$DIR"

@@ -644,7 +644,10 @@ mod tests {
             id: crate::host::uuid(),
             destination: "q".into(),
             process_manager_id: crate::host::uuid(),
-            due: now.server,
+            // Due by the earliest the server's clock can read: `now.server` is read from the
+            // wall clock after `now.earliest` and may be a millisecond past it (CI: the record
+            // was not due, nothing was sent, and the next claim was not gated).
+            due: now.earliest,
             headers: bson::doc! {},
         };
         let row = ClaimedRow {
@@ -659,10 +662,9 @@ mod tests {
             read: 1,
         };
         d.machine.handle(Input::Claimed(Ok(claim)), &now);
-        for command in commands(&mut d, &now) {
-            assert!(matches!(command, Command::Publish { .. }), "{command:?}");
-            d.run_command(command);
-        }
+        let sent = commands(&mut d, &now);
+        assert!(matches!(sent[..], [Command::Publish { .. }]), "{sent:?}");
+        sent.into_iter().for_each(|c| d.run_command(c));
         // The next claim begins beside the wave, which the broker has not answered yet.
         let mut later = now;
         later.at += poll;

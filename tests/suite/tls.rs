@@ -19,7 +19,7 @@ use timeoutd::config::RabbitConfig;
 use timeoutd::rabbit::publisher::Publisher;
 use uuid::Uuid;
 
-/// Starts the TLS node once per test binary.
+/// Starts the TLS node, or finds it started (the script holds a lock while it starts one).
 fn tls_dir() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(start_tls_node).clone()
