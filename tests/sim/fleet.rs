@@ -650,8 +650,9 @@ pub fn config_of(s: &Scenario) -> Config {
     c
 }
 
-/// The documents a scenario inserts, with what the checker must know of each.
-fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> {
+/// The documents a scenario inserts, with what the checker must know of each, when each is
+/// inserted, and whether beside a claim ([`super::swarm::RecordSpec::during_claim`]).
+fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, bool)> {
     let mut d = super::swarm::Draw::new(s.seed ^ 0xD0C5);
     let encoding = config.mongodb.time_encoding;
     let stable = config.rabbitmq.message_id == MessageIdMode::Stable;
@@ -756,7 +757,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64)> 
             on_time_ms: r.on_time.then(|| s.on_time_ms() as i64),
             inserted_server_ms: 0,
         };
-        out.push((doc, info, r.insert_at_ms));
+        out.push((doc, info, r.insert_at_ms, r.during_claim));
     }
     out
 }
@@ -840,11 +841,11 @@ async fn run_in(
         }),
     });
     let mut pending = Vec::new();
-    for (doc, info, at) in documents(s, &config) {
+    for (doc, info, at, during_claim) in documents(s, &config) {
         world.checker().add_record(info);
-        pending.push((at, doc));
+        pending.push((at, doc, during_claim));
     }
-    pending.sort_by_key(|(at, _)| *at);
+    pending.sort_by_key(|(at, _, _)| *at);
     let mut instances: Vec<Option<Instance>> = Vec::new();
     let start_instance = |i: usize, skew_ms: i64| -> Instance {
         let ctl = Arc::new(Mutex::new(Ctl::default()));
@@ -900,15 +901,15 @@ async fn run_in(
 
     // The timeline: inserts, instance starts and faults, in order of their instants.
     enum Step {
-        Insert(Document),
+        Insert(Document, bool),
         Start(usize),
         Fault(FaultKind),
         Act(ActionKind),
         Heal,
     }
     let mut steps: Vec<(u64, u32, Step)> = Vec::new();
-    for (at, doc) in pending {
-        steps.push((at, 0, Step::Insert(doc)));
+    for (at, doc, during_claim) in pending {
+        steps.push((at, 0, Step::Insert(doc, during_claim)));
     }
     for (i, spec) in s.instances.iter().enumerate() {
         steps.push((spec.start_at_ms, 1, Step::Start(i)));
@@ -932,7 +933,19 @@ async fn run_in(
         }
         let now = world.now_ms();
         match step {
-            Step::Insert(doc) => {
+            Step::Insert(doc, true) => {
+                let id = doc.get("_id").cloned().unwrap_or(Bson::Null);
+                let landed = models::insert_during_next_claim(&world.mongo, &timeouts, doc);
+                let (world, trace) = (world.clone(), trace.clone());
+                tokio::spawn(async move {
+                    if let Ok(server_ms) = landed.await {
+                        world.checker().inserted(&id, server_ms);
+                        let what = format!("insert {} beside a claim", super::invariants::key(&id));
+                        trace.event(world.now_ms(), "sim", what);
+                    }
+                });
+            }
+            Step::Insert(doc, false) => {
                 let id = doc.get("_id").cloned().unwrap_or(Bson::Null);
                 models::insert(&world.mongo, &timeouts, doc);
                 let server_ms = models::server_ms(&world.mongo);

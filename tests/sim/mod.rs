@@ -136,6 +136,16 @@ pub mod models {
         let _ = m.insert_direct(collection, vec![doc]);
     }
 
+    /// Inserts a record just after the next claim read ran, before its reply
+    /// ([`MongoModel::insert_during_next_claim`]); the receiver hears the server's clock then.
+    pub fn insert_during_next_claim(
+        m: &Mongo,
+        collection: &str,
+        doc: Document,
+    ) -> tokio::sync::oneshot::Receiver<i64> {
+        m.insert_during_next_claim(collection, doc)
+    }
+
     /// Every message the broker routed to a queue: (its `MessageId`, its `CorrelationId`
     /// header, the connection name it came through).
     pub fn deliveries(r: &Rabbit) -> Vec<(Option<String>, Option<String>, String)> {

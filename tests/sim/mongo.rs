@@ -1381,7 +1381,23 @@ struct State {
     /// Results of retryable writes by transaction number: a retry is answered from here.
     txns: HashMap<u64, Reply>,
     next_txn: u64,
+    /// Documents to insert just after the next claim read ran
+    /// ([`MongoModel::insert_during_next_claim`]).
+    armed: Vec<Armed>,
 }
+
+/// A document waiting for a claim read to land beside: its collection, the document, and
+/// who hears the server's clock when it landed.
+#[derive(Debug)]
+struct Armed {
+    collection: String,
+    doc: Document,
+    landed: oneshot::Sender<i64>,
+}
+
+/// How much longer the reply of a claim read waits when a document landed beside it: its
+/// change event reaches the instance first, while that claim still runs.
+const ARMED_REPLY_DELAY: Duration = Duration::from_millis(1);
 
 #[derive(Debug, Clone)]
 enum Broadcast {
@@ -1540,6 +1556,7 @@ impl MongoModel {
             unknown: std::collections::HashSet::new(),
             txns: HashMap::new(),
             next_txn: 0,
+            armed: Vec::new(),
         };
         Self {
             inner: Arc::new(Inner {
@@ -1737,6 +1754,60 @@ impl MongoModel {
         Ok(())
     }
 
+    /// Inserts `doc` into `collection` (as [`MongoModel::insert_direct`]) just after the
+    /// next claim read of it ran (a `find` sorted by `Time`, by any instance), and before its
+    /// reply leaves: the read missed the document, and its change event reaches the instance
+    /// while that claim still runs. A wake-up that instance drops leaves the record to the
+    /// next poll (the `late` invariant). The receiver hears the server's clock at the insert.
+    pub fn insert_during_next_claim(
+        &self,
+        collection: &str,
+        doc: Document,
+    ) -> oneshot::Receiver<i64> {
+        let (landed, rx) = oneshot::channel();
+        self.lock().armed.push(Armed {
+            collection: collection.to_string(),
+            doc,
+            landed,
+        });
+        rx
+    }
+
+    /// Lands the documents armed for `collection` if `request` was a claim read that ran;
+    /// returns whether any landed.
+    fn land_armed(
+        &self,
+        collection: &str,
+        request: &Request,
+        result: &Result<Response, MongoError>,
+    ) -> bool {
+        let claim_read = matches!(
+            request,
+            Request::Op(Op::Find { sort: Some(sort), .. })
+                if sort.keys().any(|k| k.starts_with("Time"))
+        );
+        if !claim_read || result.is_err() {
+            return false;
+        }
+        let landing: Vec<Armed> = {
+            let mut s = self.lock();
+            let (landing, kept) = std::mem::take(&mut s.armed)
+                .into_iter()
+                .partition(|a| a.collection == collection);
+            s.armed = kept;
+            landing
+        };
+        for a in &landing {
+            let _ = self.insert_direct(collection, vec![a.doc.clone()]);
+        }
+        let server_ms = self.server_ms();
+        let landed = !landing.is_empty();
+        for a in landing {
+            let _ = a.landed.send(server_ms);
+        }
+        landed
+    }
+
     /// Runs one single-document operation at once and atomically, with no fault (the
     /// simulation's operator: `timeoutd reschedule` or `timeoutd cancel` of one record, its
     /// write landing at one instant the checker sees).
@@ -1872,6 +1943,9 @@ impl MongoModel {
                     written,
                 },
             );
+        }
+        if self.land_armed(collection, &request, &result) {
+            tokio::time::sleep(ARMED_REPLY_DELAY).await;
         }
         if !reply_latency.is_zero() {
             tokio::time::sleep(reply_latency).await;

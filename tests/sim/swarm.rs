@@ -119,6 +119,11 @@ pub struct RecordSpec {
     /// must reach the broker on time (the `late` invariant, [`Scenario::on_time_ms`]).
     #[serde(default)]
     pub on_time: bool,
+    /// Inserted just after the first claim read that runs at or after `insert_at_ms`, before
+    /// that read's reply: its insert wake-up comes while the claim runs
+    /// ([`crate::sim::mongo::MongoModel::insert_during_next_claim`]).
+    #[serde(default)]
+    pub during_claim: bool,
 }
 
 /// A fault, at an instant of the simulation.
@@ -315,6 +320,7 @@ impl Scenario {
                     },
                     header_bytes: 0,
                     on_time: false,
+                    during_claim: false,
                 }
             })
             .collect();
@@ -486,7 +492,7 @@ impl Scenario {
         let calm = Self::calm_from_ms(knobs, faults, faults_end_ms);
         let look_ahead = knobs.look_ahead_ms.unwrap_or(2 * knobs.poll_ms);
         let mut due = calm + look_ahead + knobs.poll_ms;
-        (0..d.range(1, 4))
+        let mut records = (0..d.range(1, 4))
             .map(|_| {
                 due += d.range(0, 3 * knobs.poll_ms + 500);
                 let insert_at_ms = if d.chance(0.5) {
@@ -503,9 +509,16 @@ impl Scenario {
                     insert_at_ms,
                     header_bytes: 0,
                     on_time: true,
+                    during_claim: false,
                 }
             })
-            .collect()
+            .collect::<Vec<_>>();
+        // Half of those inserted late land beside a claim, from a generator of their own.
+        let mut c = Draw::new(seed ^ 0x0C1A_1D00);
+        for r in records.iter_mut().filter(|r| r.insert_at_ms > 0) {
+            r.during_claim = c.chance(0.5);
+        }
+        records
     }
 
     /// The operator's actions of `seed`, from a generator of their own (so that the rest of
