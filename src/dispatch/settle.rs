@@ -382,11 +382,11 @@ impl Settler {
     }
 
     /// Deletes the confirmed records of one claim under its owner guard, after checking that
-    /// the lease still holds; retries a failed delete while it does and shutdown has not
-    /// begun. A shortfall is a lost lease: the message may be sent again by whoever holds the
-    /// record now. Once `drain_over` is cancelled (the shutdown's drain is ending) it gives up
-    /// and counts the records it could not remove as possible duplicates, as it does if it is
-    /// dropped unfinished.
+    /// the lease still holds; retries a failed delete while it does, during a shutdown's drain
+    /// too (a shutdown that begins during a wait retries at once). A shortfall is a lost lease:
+    /// the message may be sent again by whoever holds the record now. Once `drain_over` is
+    /// cancelled (the shutdown's drain is ending) it gives up and counts the records it could
+    /// not remove as possible duplicates, as it does if it is dropped unfinished.
     async fn remove(&self, mut removal: Unremoved) {
         self.removal_attempts(&removal.records, &removal.lease)
             .await;
@@ -415,13 +415,8 @@ impl Settler {
             let removal = tokio::select! {
                 biased;
                 removal = store.bounded("remove sent records", store.remove_held(&ids, owner)) => removal,
-                _ = self.drain_over.cancelled() => {
-                    // The delete may still land on the server; if it does not, the records are
-                    // sent again after the lease.
-                    m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
-                    tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
-                    return;
-                }
+                // The delete may still land on the server.
+                _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids),
             };
             // Tests only: the server applied the delete, but its answer was lost.
             #[cfg(feature = "failpoints")]
@@ -446,19 +441,18 @@ impl Settler {
                     };
                     return m::removed(deleted as usize + gone);
                 }
-                Err(e) if self.shutdown.is_cancelled() => {
-                    m::possible_duplicates(m::DUPLICATE_SHUTDOWN, confirmed.len());
-                    tracing::warn!(%owner, records = ids.len(), error = %e, "removing sent records failed during shutdown; they stay leased and may be sent again after the lease");
-                    return;
-                }
+                // A shutdown's drain is what a failed delete needs most: gave up at its first
+                // failure, the records were sent again after the lease (helper-18's finding).
                 Err(e) => {
                     self.health.set_up(m::MONGODB, false);
                     let left = lease.remaining(store.clock().latest());
                     let wait = pacing.failed(&e).min(left);
                     tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
+                    let stopping = self.shutdown.is_cancelled();
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
-                        _ = self.shutdown.cancelled() => {}
+                        _ = self.shutdown.cancelled(), if !stopping => {}
+                        _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids),
                     }
                 }
             }
@@ -559,6 +553,13 @@ fn warn_each<'a>(records: impl IntoIterator<Item = &'a Leased>, owner: Uuid, wha
 fn sent_and_lost(n: usize) {
     m::lease_lost(n);
     m::possible_duplicates(m::DUPLICATE_LEASE_LOST, n);
+}
+
+/// A removal that the end of the shutdown's drain cut short: its records stay leased, unless
+/// a delete still lands, and may be sent again after the lease.
+fn unremoved_at_the_drains_end(owner: Uuid, ids: &[Bson]) {
+    m::possible_duplicates(m::DUPLICATE_SHUTDOWN, ids.len());
+    tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
 }
 
 #[cfg(test)]
@@ -772,41 +773,43 @@ pub(crate) mod tests {
         assert_eq!(counter(&handle, "timeoutd_possible_duplicates_total"), 1.0);
     }
 
-    /// A server whose every call panics (a bug on the way to it).
-    #[derive(Debug)]
-    struct Panicking;
-
-    impl crate::store::backend::Backend for Panicking {
-        fn run(
-            &self,
-            _: &str,
-            _: crate::store::backend::Op,
-        ) -> futures::future::BoxFuture<
-            'static,
-            Result<crate::store::backend::Reply, crate::store::backend::MongoError>,
-        > {
-            panic!("the removal panics (test)")
-        }
-        fn command(
-            &self,
-            _: Document,
-        ) -> futures::future::BoxFuture<'static, Result<Document, crate::store::backend::MongoError>>
-        {
-            panic!("the removal panics (test)")
-        }
-        fn watch(
-            &self,
-            _: &str,
-            _: Vec<Document>,
-        ) -> futures::future::BoxFuture<
-            'static,
-            Result<crate::store::backend::ChangeStream, crate::store::backend::MongoError>,
-        > {
-            panic!("the removal panics (test)")
-        }
-        fn shutdown(&self) -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(futures::future::ready(()))
-        }
+    /// helper-18: a removal whose delete failed once during the shutdown's drain gave up at
+    /// once, and its records, sent and confirmed, were sent again after the lease. It retries
+    /// until the drain ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_that_fails_during_the_drain_retries() {
+        use crate::store::backend::{Answering, MongoError, Op, Reply, Written};
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let config = Config::default();
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let backend = Answering::new(move |op: Op| match op {
+            Op::Delete { .. } if !failed.swap(true, std::sync::atomic::Ordering::SeqCst) => Err(
+                MongoError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+            ),
+            Op::Delete { .. } => Ok(Reply::Written(Written {
+                deleted: 2,
+                ..Written::default()
+            })),
+            _ => Ok(Reply::Docs(Vec::new())),
+        });
+        let store = Store::with_backend(Arc::new(backend), &config.mongodb, ServerClock::default());
+        // `stalled`'s settler (shutdown begun) and two records, over this store instead.
+        let (settler, confirmed, lease) = {
+            let (_server, port) = silent_server();
+            let (mut settler, confirmed, lease) = stalled(port, HOUR, 2, HOUR).await;
+            settler.store = store;
+            (settler, confirmed, lease)
+        };
+        settler
+            .run(Settle::Remove {
+                lease,
+                records: confirmed,
+            })
+            .await;
+        let handle = recorder.handle();
+        assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
+        assert_eq!(possible_duplicates(&handle), 0.0);
     }
 
     /// A removal whose task panicked, with no shutdown anywhere, counted its records as
@@ -816,8 +819,14 @@ pub(crate) mod tests {
         let recorder = PrometheusBuilder::new().build_recorder();
         let _recorder = metrics::set_default_local_recorder(&recorder);
         let config = Config::default();
+        // A server whose every operation panics (a bug on the way to it).
+        let panicking = crate::store::backend::Answering::new(
+            |_| -> Result<crate::store::backend::Reply, crate::store::backend::MongoError> {
+                panic!("the removal panics (test)")
+            },
+        );
         let store =
-            Store::with_backend(Arc::new(Panicking), &config.mongodb, ServerClock::default());
+            Store::with_backend(Arc::new(panicking), &config.mongodb, ServerClock::default());
         // `stalled`'s settler and records, over this store instead, and no shutdown.
         let (settler, confirmed, lease) = {
             let (_server, port) = silent_server();
