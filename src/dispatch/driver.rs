@@ -365,13 +365,6 @@ impl Dispatcher {
             } => {
                 let claims = self.claims.clone();
                 self.spawn(Role::Claim, async move {
-                    // Tests only: a slow claim (a wake-up must not be lost while it runs).
-                    #[cfg(feature = "failpoints")]
-                    if let Some(Some(ms)) =
-                        fail::eval("claim-delay", |arg| arg.and_then(|a| a.parse::<u64>().ok()))
-                    {
-                        tokio::time::sleep(Duration::from_millis(ms)).await;
-                    }
                     let read = claims.candidates(batch, ahead, &excluded);
                     let store = claims.store();
                     Done::Read(store.bounded("read claim candidates", read).await)
