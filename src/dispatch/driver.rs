@@ -241,6 +241,7 @@ impl Dispatcher {
     /// holds. Returns `true` if the loop already failed once: then it gives up at once, and
     /// the leases it holds expire.
     fn contain(&mut self, panic: &(dyn std::any::Any + Send)) -> bool {
+        self.machine.panicked();
         let what = panic_message(panic);
         if self.failed.is_some() {
             tracing::error!(panic = %what, "dispatch loop panicked again while stopping; its leases will expire");

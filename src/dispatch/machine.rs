@@ -185,6 +185,8 @@ pub struct Machine {
     /// When shutdown began.
     stopping: Option<Instant>,
     drained: bool,
+    /// A turn panicked: what is left unsettled at the drop counts as cause `panic`.
+    panicked: bool,
     /// Commands decided by an input, given out before anything else.
     outbox: VecDeque<Command>,
 }
@@ -213,6 +215,7 @@ impl Machine {
             history: false,
             stopping: None,
             drained: false,
+            panicked: false,
             outbox: VecDeque::new(),
         }
     }
@@ -220,6 +223,11 @@ impl Machine {
     /// Whether confirmed waves are recorded (`[history] keep`).
     pub fn record_history(&mut self, on: bool) {
         self.history = on;
+    }
+
+    /// A turn panicked (the driver caught it and stops the machine).
+    pub fn panicked(&mut self) {
+        self.panicked = true;
     }
 
     /// Whether it was told of shutdown.
@@ -906,7 +914,8 @@ impl Machine {
 /// The machine dropped before it settled everything (the loop aborted at the end of the
 /// shutdown's drain, or stopped after a second panic): confirmed records that waited for a
 /// removal, and a wave's records whose outcome never came back, stay leased and are sent
-/// again after the lease. They are counted as possible duplicates.
+/// again after the lease. They are counted as possible duplicates, of cause `panic` once a
+/// turn panicked (the runbook looks for a bug there, not at `shutdown_timeout`).
 impl Drop for Machine {
     fn drop(&mut self) {
         let unsettled = self.settle.unremoved() + self.in_flight();
@@ -915,7 +924,11 @@ impl Drop for Machine {
                 records = unsettled,
                 "the dispatch loop ended with sent records not removed; they may be sent again after the lease"
             );
-            m::possible_duplicates(m::DUPLICATE_SHUTDOWN, unsettled);
+            let cause = match self.panicked {
+                true => m::DUPLICATE_PANIC,
+                false => m::DUPLICATE_SHUTDOWN,
+            };
+            m::possible_duplicates(cause, unsettled);
         }
     }
 }

@@ -821,3 +821,28 @@ fn a_failed_wave_is_released_at_once_while_later_records_of_its_claim_are_held()
         "the later five are held for their instant"
     );
 }
+
+/// The records a machine dropped after a panic left unsettled (a wave in flight here) were
+/// counted as possible duplicates of cause `shutdown`, which sends an operator to
+/// `shutdown_timeout`. They count as `panic`.
+#[test]
+fn records_left_unsettled_after_a_panic_count_as_duplicates_by_panic() {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _recorder = metrics::set_default_local_recorder(&recorder);
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(300));
+    r.hold(2, Duration::from_secs(300));
+    assert_eq!(r.publish().len(), 2);
+    r.m.panicked();
+    drop(r);
+    let text = handle.render();
+    let by = |cause: &str| {
+        let series = format!("timeoutd_possible_duplicates_total{{cause=\"{cause}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str())?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!((by("panic"), by("shutdown")), (2.0, 0.0), "{text}");
+}
