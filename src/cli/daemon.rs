@@ -18,6 +18,7 @@ use crate::service::health::Health;
 use crate::service::supervisor::{Supervisor, TaskFailed};
 use crate::store::claim::ClaimPath;
 use crate::store::clock::ServerClock;
+use crate::store::control::Snapshot;
 use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 use crate::{service::http, service::systemd};
@@ -153,10 +154,14 @@ async fn run_tasks_under(
     // Every step of start-up yields to shutdown: a SIGTERM while a call waits for its
     // deadline ends start-up at once (what it spawned sees the same token).
     let starting = async {
-        if wait_for_mongodb(&store, &health, &shutdown).await {
-            start(&config, store, publisher, &health, &shutdown, &mut tasks).await
-        } else {
-            Ok(())
+        match wait_for_mongodb(&store, &health, &shutdown).await {
+            Some(pauses) => {
+                start(
+                    &config, store, publisher, pauses, &health, &shutdown, &mut tasks,
+                )
+                .await
+            }
+            None => Ok(()),
         }
     };
     let started = tokio::select! {
@@ -198,11 +203,13 @@ async fn run_tasks_under(
     Ok(())
 }
 
-/// Creates the indexes and starts the tasks that need MongoDB.
+/// Creates the indexes and starts the tasks that need MongoDB, the dispatch loop obeying
+/// `pauses` from its first claim.
 async fn start(
     config: &Arc<Config>,
     store: Store,
     publisher: Publisher,
+    pauses: Snapshot,
     health: &Arc<Health>,
     shutdown: &CancellationToken,
     tasks: &mut Supervisor,
@@ -269,12 +276,7 @@ async fn start(
     });
     // Pauses in force before the first claim, so a starting instance claims none of them.
     let control = Arc::new(ControlState::default());
-    match store.bounded("read pauses", store.read_control()).await {
-        Ok(snapshot) => _ = control.set(snapshot),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not read pauses yet; the control watcher retries")
-        }
-    }
+    _ = control.set(pauses);
     // The dispatch loop's inputs besides its own tasks: inserts due soon, control changes.
     let signals = Signals::default();
     tasks.spawn(
@@ -324,22 +326,35 @@ async fn ok(task: impl std::future::Future<Output = ()>) -> Result<(), std::conv
     Ok(())
 }
 
-/// Retries the first round trip to MongoDB with back-off. `false` if shutdown came first.
-async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &CancellationToken) -> bool {
+/// Retries the first round trips to MongoDB with back-off: the server clock, then the pauses
+/// and ramps in force, which the dispatch loop obeys from its first claim (started without
+/// them, it claimed and sent a paused destination's records until the control watcher read
+/// them). `None` if shutdown came first.
+async fn wait_for_mongodb(
+    store: &Store,
+    health: &Health,
+    shutdown: &CancellationToken,
+) -> Option<Snapshot> {
     let mut pacing = Pacing::new(store.operation_timeout());
     loop {
         // Liveness is about the process, not about MongoDB (readiness reports that): the
-        // attempt below is bounded by operation_timeout, so while it runs the process does
-        // what it should, and a restart would not bring MongoDB back. Liveness counts from the
-        // attempt's deadline; an attempt that overran it would still turn /healthz 503.
-        health.waiting(store.operation_timeout());
-        match monitor::read_server_clock(store, health).await {
-            Ok(offset) => {
+        // attempt below is two calls, each bounded by operation_timeout, so while it runs the
+        // process does what it should, and a restart would not bring MongoDB back. Liveness
+        // counts from the attempt's deadline; an attempt that overran it would still turn
+        // /healthz 503.
+        health.waiting(store.operation_timeout().saturating_mul(2));
+        let reached = async {
+            let offset = monitor::read_server_clock(store, health).await?;
+            let pauses = store.bounded("read pauses", store.read_control()).await?;
+            Ok::<_, StoreError>((offset, pauses))
+        };
+        match reached.await {
+            Ok((offset, pauses)) => {
                 tracing::info!(clock_offset_ms = offset, "MongoDB reachable");
-                // Start-up makes two more bounded calls (the deployment check, the pauses)
-                // before the dispatch loop's first turn.
+                // Start-up makes one more bounded call (the deployment check) before the
+                // dispatch loop's first turn.
                 health.waiting(store.operation_timeout().saturating_mul(2));
-                return true;
+                return Some(pauses);
             }
             Err(e) => {
                 let wait = pacing.failed(&e);
@@ -347,7 +362,7 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
                 health.waiting(wait);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    _ = shutdown.cancelled() => return false,
+                    _ = shutdown.cancelled() => return None,
                 }
             }
         }
@@ -358,6 +373,42 @@ async fn wait_for_mongodb(store: &Store, health: &Health, shutdown: &Cancellatio
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A start-up whose first read of the pauses fails reads them again before it goes on:
+    /// the dispatch loop must not start without the pauses in force.
+    #[tokio::test(start_paused = true)]
+    async fn start_up_waits_for_the_pauses_in_force() {
+        use crate::store::backend::{Answering, MongoError, Op, Reply};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let pause_reads = Arc::new(AtomicUsize::new(0));
+        let reads = pause_reads.clone();
+        let ops = move |op: Op| match op {
+            Op::Find { filter, .. } if filter.get_str("kind") == Ok("pause") => {
+                match reads.fetch_add(1, Ordering::SeqCst) {
+                    0 => Err(MongoError::from(std::io::Error::from(
+                        std::io::ErrorKind::ConnectionReset,
+                    ))),
+                    _ => Ok(Reply::Docs(vec![bson::doc! {
+                        "_id": "pause:q", "kind": "pause", "destination": "q", "until": null,
+                    }])),
+                }
+            }
+            _ => Ok(Reply::Docs(Vec::new())),
+        };
+        let hello = |_| {
+            Ok(bson::doc! { "ok": 1, "localTime": bson::DateTime::from_millis(1_800_000_000_000) })
+        };
+        let config = Config::default();
+        let store = Store::with_backend(
+            Arc::new(Answering(ops, hello)),
+            &config.mongodb,
+            ServerClock::default(),
+        );
+        let health = Health::new(config.dispatch.poll_interval);
+        let pauses = wait_for_mongodb(&store, &health, &CancellationToken::new()).await;
+        assert_eq!(pause_reads.load(Ordering::SeqCst), 2);
+        assert_eq!(pauses.expect("no shutdown").paused, ["q"]);
+    }
 
     /// Issue 25, 8.2: with MongoDB stalled from before start, `/healthz` answered 503 for most
     /// of each start-up attempt after the first (42 of 90 samples, every half second for
@@ -391,7 +442,7 @@ mod tests {
         assert!(dead.is_empty(), "/healthz 503 at samples {dead:?} of 90");
         assert!(!waiting.is_finished(), "MongoDB never answered");
         shutdown.cancel();
-        assert!(!waiting.await.expect("the start-up task"));
+        assert!(waiting.await.expect("the start-up task").is_none());
         drop(server);
     }
 }

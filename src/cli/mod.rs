@@ -197,7 +197,7 @@ pub fn main(cli: Cli) -> ExitCode {
         }
     };
     let source = crate::cli::checkcli::Source::of(cli.config.as_deref());
-    match runtime.block_on(execute(cli.command, config, source)) {
+    match shutdown::run_to_end(runtime, execute(cli.command, config, source)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let shown = redact_text(&format!("{e:#}"));

@@ -82,6 +82,12 @@ fn each_rule_names_its_key() {
         ),
         ("[log]\nformat = \"xml\"", "log.format"),
         ("[reaper]\ninterval = \"0ms\"", "reaper.interval"),
+        // The default reaper interval, a quarter of the lease, is zero: tokio's interval
+        // panicked on it in the reaper task.
+        (
+            "[dispatch]\nlock_lease = \"3ns\"\npoll_interval = \"1ns\"\nlease_safety_margin = \"1ns\"\nlook_ahead = \"0s\"",
+            "reaper.interval",
+        ),
         ("[rabbitmq]\nuri = \"http://x\"", "rabbitmq.uri"),
         ("[http]\nlisten = \"nope\"", "http.listen"),
         (

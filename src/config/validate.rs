@@ -132,10 +132,16 @@ impl Config {
         if let Some(problem) = self.history.problem() {
             bad("history.keep", &problem);
         }
-        if let Some(i) = self.reaper.interval
-            && i.is_zero()
-        {
-            bad("reaper.interval", "must be greater than zero");
+        // The effective interval: a quarter of the lease when unset, zero for a lease under
+        // 4 ns (the reaper's timer cannot tick at zero).
+        if self.reaper_interval().is_zero() {
+            let message = match self.reaper.interval {
+                Some(_) => "must be greater than zero",
+                None => {
+                    "must be greater than zero (unset, it is dispatch.lock_lease / 4): set it, or a longer dispatch.lock_lease"
+                }
+            };
+            bad("reaper.interval", message);
         }
         for (key, value) in [
             ("mongodb.uri", &self.mongodb.uri),

@@ -87,7 +87,10 @@ pub async fn run(
         }
         if clock_read.elapsed() >= MONITOR_INTERVAL && clock.ready() {
             clock_read = Instant::now();
-            let result = read_server_clock(&store, &health).await;
+            let result = tokio::select! {
+                r = read_server_clock(&store, &health) => r,
+                _ = shutdown.cancelled() => return,
+            };
             if let Err(e) = &result {
                 tracing::warn!(error = %e, "could not refresh the server clock offset");
             }
@@ -106,4 +109,45 @@ pub async fn read_server_clock(store: &Store, health: &Health) -> Result<i64, St
         m::clock_offset(*offset);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::config::MongoConfig;
+    use crate::store::backend::Silent;
+    use crate::store::clock::ServerClock;
+
+    /// A shutdown while the server clock is read from a server that does not answer ends the
+    /// monitor at once, not at the read's deadline (`operation_timeout`).
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_during_a_clock_reading_ends_the_monitor_at_once() {
+        let silent = Arc::new(Silent::default());
+        let store = Store::with_backend(
+            silent.clone(),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        // No learner runs: every backlog reading fails at once, without a call, so the first
+        // call is the clock reading, one MONITOR_INTERVAL after the start.
+        let (_, shapes) = crate::store::shapes::learner(&store);
+        let health = Arc::new(Health::new(Duration::from_secs(1)));
+        let stop = CancellationToken::new();
+        let task = crate::host::spawn(run(store.clone(), shapes, health, Vec::new(), stop.clone()));
+        while silent.calls.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let stopped = Instant::now();
+        stop.cancel();
+        task.await.expect("the monitor ends at shutdown");
+        // The call began at most 100 ms before the shutdown: waiting for its deadline would
+        // take most of an operation_timeout more.
+        assert!(
+            stopped.elapsed() < store.operation_timeout() / 2,
+            "the monitor waited {:?} for the server clock after the shutdown",
+            stopped.elapsed()
+        );
+    }
 }

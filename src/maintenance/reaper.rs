@@ -40,22 +40,40 @@ pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) 
     let state = CensusState::default();
     let paced = || Pacing::new(store.operation_timeout());
     let (mut reaping, mut freeing, mut counting) = (paced(), paced(), paced());
+    // Each call yields to shutdown too, not only the wait between them: a call waits up to
+    // `operation_timeout` on a server that does not answer. (`select!`, not
+    // `CancellationToken::run_until_cancelled`, an async fn that holds its future twice: the
+    // census's is 34 KB in a debug build, and the simulation's threads overflowed their
+    // stacks.)
     loop {
         tokio::select! {
+            biased;
             _ = shutdown.cancelled() => break,
             _ = reap.tick() => {
                 if reaping.ready() {
-                    let result = pass(&store).await;
+                    let result = tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => break,
+                        r = pass(&store) => r,
+                    };
                     reaping.record(&result);
                 }
             }
             _ = census.tick() => {
                 if freeing.ready() {
-                    let result = free_stuck(&store, &state).await;
+                    let result = tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => break,
+                        r = free_stuck(&store, &state) => r,
+                    };
                     freeing.record(&result);
                 }
                 if counting.ready() {
-                    let result = take_census(&store, &state).await;
+                    let result = tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => break,
+                        r = take_census(&store, &state) => r,
+                    };
                     counting.record(&result);
                 }
             }
@@ -136,5 +154,41 @@ async fn take_census(store: &Store, state: &CensusState) -> Result<(), StoreErro
             tracing::debug!(error = %e, "census failed; trying again after a back-off");
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::config::MongoConfig;
+    use crate::store::backend::Silent;
+    use crate::store::clock::ServerClock;
+
+    /// A shutdown while a pass waits on a server that does not answer ends the reaper at once,
+    /// not at the call's deadline (`operation_timeout`), which the drain waited for.
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_during_a_pass_ends_the_reaper_at_once() {
+        let silent = Arc::new(Silent::default());
+        let store = Store::with_backend(
+            silent.clone(),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let stop = CancellationToken::new();
+        let task = crate::host::spawn(run(store.clone(), Duration::from_secs(1), stop.clone()));
+        while silent.calls.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let stopped = tokio::time::Instant::now();
+        stop.cancel();
+        task.await.expect("the reaper ends at shutdown");
+        assert!(
+            stopped.elapsed() < store.operation_timeout(),
+            "the reaper waited {:?} for its pass after the shutdown",
+            stopped.elapsed()
+        );
     }
 }

@@ -209,6 +209,45 @@ where
     }
 }
 
+/// A backend that takes every call and never answers (a stalled server), counting the calls
+/// begun: for unit tests of what waits on MongoDB.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct Silent {
+    pub calls: std::sync::atomic::AtomicUsize,
+}
+
+#[cfg(test)]
+impl Silent {
+    fn stall<T: Send + 'static>(&self) -> BoxFuture<'static, T> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(futures::future::pending())
+    }
+}
+
+#[cfg(test)]
+impl Backend for Silent {
+    fn run(&self, _: &str, _: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
+        self.stall()
+    }
+
+    fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
+        self.stall()
+    }
+
+    fn watch(
+        &self,
+        _: &str,
+        _: Vec<Document>,
+    ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
+        self.stall()
+    }
+
+    fn shutdown(&self) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

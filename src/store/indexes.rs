@@ -76,9 +76,14 @@ impl Store {
                 .iter()
                 .any(|(name, keys)| name != ours && keys.keys().next().is_some_and(|f| f == first))
         };
+        let ours = |name: &str| existing.iter().any(|(n, _)| n == name);
         let mut plan = IndexPlan::default();
-        if self.encoding.reads_dates() && !served(field::TIME, DATE_DUE_INDEX) {
-            plan.wanted.push((DATE_DUE_INDEX, Shape::Date.sort()));
+        if self.encoding.reads_dates() {
+            if !served(field::TIME, DATE_DUE_INDEX) {
+                plan.wanted.push((DATE_DUE_INDEX, Shape::Date.sort()));
+            } else if ours(DATE_DUE_INDEX) {
+                plan.redundant.push(DATE_DUE_INDEX);
+            }
         }
         if self.encoding.reads_ticks() {
             plan.wanted.push((TICKS_DUE_INDEX, Shape::Ticks(0).sort()));
@@ -93,7 +98,7 @@ impl Store {
         ] {
             if !served(first, name) {
                 plan.wanted.push((name, keys));
-            } else if existing.iter().any(|(n, _)| n == name) {
+            } else if ours(name) {
                 plan.redundant.push(name);
             }
         }

@@ -223,7 +223,11 @@ impl Learner {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut pacing = Pacing::new(self.store.operation_timeout());
         loop {
-            let result = self.refresh().await;
+            // Yields to shutdown: a learn is up to four calls, each bounded on its own.
+            let result = tokio::select! {
+                r = self.refresh() => r,
+                _ = shutdown.cancelled() => return,
+            };
             // Published once a try: what it learned, that it checked, or why it failed.
             self.tx.send_modify(|l| {
                 l.tries += 1;
@@ -410,7 +414,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use crate::config::MongoConfig;
-    use crate::store::backend::{Answering, MongoError, Op, Reply};
+    use crate::store::backend::{Answering, MongoError, Op, Reply, Silent};
     use crate::store::clock::ServerClock;
 
     /// A timeouts collection of `[ticks, offset]` records at `offsets` (none: empty), or a
@@ -478,6 +482,33 @@ mod tests {
         assert_eq!(found, vec![Shape::Ticks(0)]);
         stop.cancel();
         task.await.expect("the learner ends at shutdown");
+    }
+
+    /// A shutdown while a learn waits on a server that does not answer ends the learner at
+    /// once: a learn is up to four calls, each bounded by `operation_timeout` (40 s with the
+    /// defaults), and the drain waited for them past its own deadline (25 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_during_a_learn_ends_the_learner_at_once() {
+        let silent = Arc::new(Silent::default());
+        let store = Store::with_backend(
+            silent.clone(),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let (learner, _shapes) = learner(&store);
+        let stop = CancellationToken::new();
+        let task = crate::host::spawn(learner.expect("auto learns").run(stop.clone()));
+        while silent.calls.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let stopped = Instant::now();
+        stop.cancel();
+        task.await.expect("the learner ends at shutdown");
+        assert!(
+            stopped.elapsed() < store.operation_timeout(),
+            "the learner waited {:?} for its call after the shutdown",
+            stopped.elapsed()
+        );
     }
 
     #[test]

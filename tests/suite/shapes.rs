@@ -191,8 +191,9 @@ async fn serviceconnect_v7_time_index_serves_dates_so_no_second_one_is_made() {
 }
 
 /// Every index is one more that the claim's update and the delete maintain for each record:
-/// where v7's indexes serve the lease and owner queries, timeoutd adds none of its own and
-/// drops the ones an older timeoutd made, never touching v7's.
+/// where v7's indexes serve the due dates, lease and owner queries, timeoutd adds none of its
+/// own and drops the ones an older timeoutd made (the date index too: it was kept), never
+/// touching v7's.
 #[tokio::test]
 async fn v7_lease_indexes_serve_so_timeoutd_keeps_only_its_due_index() {
     let env = TestEnv::new().await;
@@ -201,6 +202,7 @@ async fn v7_lease_indexes_serve_so_timeoutd_keeps_only_its_due_index() {
         ("LockedBy_1_Locked_1", doc! { "LockedBy": 1, "Locked": 1 }),
         ("LockExpiresAt_1", doc! { "LockExpiresAt": 1 }),
         // What an older timeoutd created beside them.
+        ("timeoutd_due_date", doc! { "Time": 1 }),
         ("timeoutd_lease", doc! { "Locked": 1, "LockExpiresAt": 1 }),
         ("timeoutd_owner", doc! { "LockedBy": 1 }),
     ] {
