@@ -185,7 +185,7 @@ pub const SERIES: &[Series] = &[
     ),
     counter(
         "timeoutd_possible_duplicates_total",
-        "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave, or a removal of confirmed records panicked), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
+        "Records that may be delivered twice, by cause: timeout (no confirm before the publisher stopped waiting), connection (the link failed after the publish), panic (the publishing task died mid-wave, a removal of confirmed records panicked, or the dispatch loop panicked with records unsettled), shutdown (confirmed, but shutdown cut the removal short), lease_lost (confirmed, but the lease was lost before the removal).",
     )
     .by("cause", POSSIBLE_DUPLICATE_CAUSES),
     counter("timeoutd_reaped_total", "Expired leases the reaper freed."),

@@ -126,11 +126,12 @@ async fn the_exit_after_sigterm_meets_shutdown_timeout_plus_five_seconds() {
 }
 
 /// The most calls one idle instance may have running on the server at once: one per task
-/// that calls MongoDB while nothing is due (the shape learner, which the claims of an empty
-/// collection wait for, the reaper, the monitor, the control watcher, the insert watcher; the
-/// index task has finished), each paced so that it never starts while its previous run may
-/// still run.
-const CALLS_BOUND: f64 = 5.0;
+/// that calls MongoDB while nothing is due (the claims, the shape learner, the reaper, the
+/// monitor, the control watcher, the insert watcher; the index task has finished), each
+/// paced so that it never starts while its previous run may still run. (It was 5, with the
+/// claims counted as waiting for the learner; but they run beside its periodic learn, and
+/// one suite run on a loaded machine saw all six at once, each task with one call.)
+const CALLS_BOUND: f64 = 6.0;
 
 /// The server answers nothing (every reply held back), so every call times out: the calls
 /// timeoutd may have running on it (`timeoutd_mongodb_calls_in_flight`, which counts an
