@@ -19,6 +19,9 @@ scripts/install-grafana-validator.sh
 scripts/install-secantus-py.sh
 # The failpoints feature compiles the test-only failpoints in (see Cargo.toml). The benchmark
 # is left out: under a test runner it only says how to run it.
+# The simulation's default run takes two of nextest's six slots (.config/nextest.toml) and
+# runs its seeds on two threads.
+export SIMULATE_JOBS="${SIMULATE_JOBS:-2}"
 run=(cargo nextest run --features failpoints --lib --bins --tests --examples)
 if [ -z "${TIMEOUTD_TEST_MONGODB_URI:-}" ]; then
   "${run[@]}" "$@"
