@@ -23,19 +23,21 @@ async fn cancelled_records_never_arrive_under_load_on_three_instances() {
     for i in 0..3 {
         daemons.push(Daemon::spawn(&format!("d{i}"), v.clone()).await);
     }
-    // Load: 600 records falling due over the next 6 s; 40 of them are cancelled while the
-    // fleet sends the others, 20 by id and 20 as one saga.
+    // Load: 560 records falling due over the next 6 s; 40 more are cancelled while the fleet
+    // sends those, 20 by id and 20 as one saga. They fall due 30 s on, so that no instance
+    // holds one yet when the cancel comes, however slow a loaded machine makes the commands
+    // (with them among the others, 4 s on, an instance had leased 5 of the saga's first:
+    // the cancel rightly left them, and the test failed).
     let saga = Uuid::new_v4();
     let mut docs = Vec::new();
     let mut keep = Vec::new();
     let (mut by_id, mut by_saga) = (Vec::new(), Vec::new());
     for i in 0..600_i64 {
         let id = Uuid::new_v4();
-        let due = in_ms(1_000 + i * 10);
-        let (pm, late) = match i % 15 {
-            0 if i >= 300 => (Uuid::new_v4(), &mut by_id),
-            1 if i >= 300 => (saga, &mut by_saga),
-            _ => (Uuid::new_v4(), &mut keep),
+        let (pm, late, due) = match i % 15 {
+            0 if i >= 300 => (Uuid::new_v4(), &mut by_id, in_ms(30_000 + i * 10)),
+            1 if i >= 300 => (saga, &mut by_saga, in_ms(30_000 + i * 10)),
+            _ => (Uuid::new_v4(), &mut keep, in_ms(1_000 + i * 10)),
         };
         late.push(id);
         docs.push(v7_record(id, &env.queue, pm, due, doc! {}));
