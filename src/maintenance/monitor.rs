@@ -116,20 +116,12 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::config::MongoConfig;
-    use crate::store::backend::Silent;
-    use crate::store::clock::ServerClock;
 
     /// A shutdown while the server clock is read from a server that does not answer ends the
     /// monitor at once, not at the read's deadline (`operation_timeout`).
     #[tokio::test(start_paused = true)]
     async fn a_shutdown_during_a_clock_reading_ends_the_monitor_at_once() {
-        let silent = Arc::new(Silent::default());
-        let store = Store::with_backend(
-            silent.clone(),
-            &MongoConfig::default(),
-            ServerClock::default(),
-        );
+        let (silent, store) = Store::silent();
         // No learner runs: every backlog reading fails at once, without a call, so the first
         // call is the clock reading, one MONITOR_INTERVAL after the start.
         let (_, shapes) = crate::store::shapes::learner(&store);

@@ -159,24 +159,15 @@ async fn take_census(store: &Store, state: &CensusState) -> Result<(), StoreErro
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::config::MongoConfig;
-    use crate::store::backend::Silent;
-    use crate::store::clock::ServerClock;
 
     /// A shutdown while a pass waits on a server that does not answer ends the reaper at once,
     /// not at the call's deadline (`operation_timeout`), which the drain waited for.
     #[tokio::test(start_paused = true)]
     async fn a_shutdown_during_a_pass_ends_the_reaper_at_once() {
-        let silent = Arc::new(Silent::default());
-        let store = Store::with_backend(
-            silent.clone(),
-            &MongoConfig::default(),
-            ServerClock::default(),
-        );
+        let (silent, store) = Store::silent();
         let stop = CancellationToken::new();
         let task = crate::host::spawn(run(store.clone(), Duration::from_secs(1), stop.clone()));
         while silent.calls.load(Ordering::SeqCst) == 0 {

@@ -119,6 +119,16 @@ impl Store {
         Ok(store)
     }
 
+    /// A store with the default configuration on a server that takes every call and never
+    /// answers, and that server (for unit tests of what waits on MongoDB).
+    #[cfg(test)]
+    pub(crate) fn silent() -> (Arc<backend::Silent>, Self) {
+        let silent = Arc::new(backend::Silent::default());
+        let config = MongoConfig::default();
+        let store = Self::with_backend(silent.clone(), &config, ServerClock::default());
+        (silent, store)
+    }
+
     /// A store over `backend`, the driver or a model, for the collections `config` names.
     pub fn with_backend(
         backend: Arc<dyn Backend>,

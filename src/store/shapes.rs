@@ -414,7 +414,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use crate::config::MongoConfig;
-    use crate::store::backend::{Answering, MongoError, Op, Reply, Silent};
+    use crate::store::backend::{Answering, MongoError, Op, Reply};
     use crate::store::clock::ServerClock;
 
     /// A timeouts collection of `[ticks, offset]` records at `offsets` (none: empty), or a
@@ -489,12 +489,7 @@ mod tests {
     /// defaults), and the drain waited for them past its own deadline (25 s).
     #[tokio::test(start_paused = true)]
     async fn a_shutdown_during_a_learn_ends_the_learner_at_once() {
-        let silent = Arc::new(Silent::default());
-        let store = Store::with_backend(
-            silent.clone(),
-            &MongoConfig::default(),
-            ServerClock::default(),
-        );
+        let (silent, store) = Store::silent();
         let (learner, _shapes) = learner(&store);
         let stop = CancellationToken::new();
         let task = crate::host::spawn(learner.expect("auto learns").run(stop.clone()));
