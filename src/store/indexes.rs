@@ -281,7 +281,8 @@ pub async fn run(store: Store, shutdown: CancellationToken) {
         _ = own => {}
     }
     let mut listing = Pacing::new(store.operation_timeout());
-    let mut asked: HashMap<&'static str, Instant> = HashMap::new();
+    // Each index asked for, when, and whether the server refused it (not still building).
+    let mut asked: HashMap<&'static str, (Instant, bool)> = HashMap::new();
     let mut first = true;
     loop {
         let round = async {
@@ -308,14 +309,20 @@ pub async fn run(store: Store, shutdown: CancellationToken) {
                 return true;
             }
             for (name, keys) in missing {
-                if asked.get(name).is_some_and(|t| t.elapsed() < ASK_AGAIN) {
-                    tracing::info!(
-                        index = name,
-                        "index still building on the server; dispatching meanwhile with the indexes that exist"
-                    );
-                    continue;
+                match asked.get(name) {
+                    Some((t, refused)) if t.elapsed() < ASK_AGAIN => {
+                        // A refused one waits to be asked for again, already warned of.
+                        if !refused {
+                            tracing::info!(
+                                index = name,
+                                "index still building on the server; dispatching meanwhile with the indexes that exist"
+                            );
+                        }
+                        continue;
+                    }
+                    _ => {}
                 }
-                asked.insert(name, Instant::now());
+                asked.insert(name, (Instant::now(), false));
                 tracing::info!(index = name, keys = %keys, "creating index");
                 match store
                     .bounded("create an index", store.create_named_index(name, keys))
@@ -326,8 +333,8 @@ pub async fn run(store: Store, shutdown: CancellationToken) {
                         tracing::info!(index = name, error = %e, "index build goes on on the server; dispatching meanwhile with the indexes that exist")
                     }
                     Err(e) => {
-                        // Asked for again after ASK_AGAIN.
-                        tracing::warn!(index = name, error = %e, "could not create index; dispatching with the indexes that exist")
+                        asked.insert(name, (Instant::now(), true));
+                        tracing::warn!(index = name, error = %e, retry_in = ?ASK_AGAIN, "could not create index; dispatching with the indexes that exist")
                     }
                 }
             }
@@ -345,5 +352,65 @@ pub async fn run(store: Store, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep_until(next) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::config::MongoConfig;
+    use crate::store::backend::{Answering, Op, Reply, command_error};
+    use crate::store::clock::ServerClock;
+
+    /// Log lines, for the one test here that is about what the log says.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let mut lines = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            lines.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// An index the server refused (not a timeout: it is not being built) was said to be
+    /// "still building on the server" every check until it was asked for again, 5 minutes
+    /// on. Only the refusal is logged, once per ask.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_index_is_not_said_to_be_building() {
+        let command = |c: Document| match c.keys().next().map(String::as_str) {
+            Some("createIndexes") => Err(command_error(
+                85,
+                "IndexOptionsConflict",
+                "an index with the same keys exists under another name",
+            )),
+            Some("listIndexes") => Err(command_error(26, "NamespaceNotFound", "no collection")),
+            _ => Ok(doc! { "ok": 1 }),
+        };
+        let backend = Answering(|_: Op| Ok(Reply::Docs(Vec::new())), command);
+        let config = MongoConfig::default();
+        let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let _logging = tracing::subscriber::set_default(subscriber);
+        let stop = CancellationToken::new();
+        let task = crate::host::spawn(run(store, stop.clone()));
+        tokio::time::sleep(CHECK_EVERY * 5).await;
+        stop.cancel();
+        task.await.expect("the index task ends at shutdown");
+        let text = String::from_utf8_lossy(&lines.0.lock().unwrap_or_else(|e| e.into_inner()))
+            .into_owned();
+        assert!(text.contains("could not create index"), "{text}");
+        assert!(!text.contains("still building"), "{text}");
     }
 }
