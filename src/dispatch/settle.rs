@@ -625,6 +625,14 @@ pub(crate) mod tests {
         (settler, (0..n).map(sent).collect(), Lease::new(now, lease))
     }
 
+    /// `stalled`'s settler (shutdown begun) and `n` records leased for an hour, over `store`.
+    async fn over(store: Store, n: i32) -> Removal {
+        let (_server, port) = silent_server();
+        let (mut settler, confirmed, lease) = stalled(port, HOUR, n, HOUR).await;
+        settler.store = store;
+        (settler, confirmed, lease)
+    }
+
     /// The records counted as possible duplicates or lost leases.
     fn possible_duplicates(metrics: &PrometheusHandle) -> f64 {
         let counted = |l: &&str| l.contains("duplicate") || l.contains("lease_lost");
@@ -760,13 +768,7 @@ pub(crate) mod tests {
         config.mongodb.operation_timeout = Duration::from_secs(600);
         let backend = Arc::new(ShortDeleteThenSilent);
         let store = Store::with_backend(backend, &config.mongodb, ServerClock::default());
-        // `stalled`'s settler and records, over this store instead.
-        let (settler, confirmed, lease) = {
-            let (_server, port) = silent_server();
-            let (mut settler, confirmed, lease) = stalled(port, HOUR, 3, HOUR).await;
-            settler.store = store;
-            (settler, confirmed, lease)
-        };
+        let (settler, confirmed, lease) = over(store, 3).await;
         removal_until_the_drain_ends(settler, confirmed, lease).await;
         let handle = recorder.handle();
         assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
@@ -794,13 +796,7 @@ pub(crate) mod tests {
             _ => Ok(Reply::Docs(Vec::new())),
         });
         let store = Store::with_backend(Arc::new(backend), &config.mongodb, ServerClock::default());
-        // `stalled`'s settler (shutdown begun) and two records, over this store instead.
-        let (settler, confirmed, lease) = {
-            let (_server, port) = silent_server();
-            let (mut settler, confirmed, lease) = stalled(port, HOUR, 2, HOUR).await;
-            settler.store = store;
-            (settler, confirmed, lease)
-        };
+        let (settler, confirmed, lease) = over(store, 2).await;
         settler
             .run(Settle::Remove {
                 lease,
@@ -827,14 +823,9 @@ pub(crate) mod tests {
         );
         let store =
             Store::with_backend(Arc::new(panicking), &config.mongodb, ServerClock::default());
-        // `stalled`'s settler and records, over this store instead, and no shutdown.
-        let (settler, confirmed, lease) = {
-            let (_server, port) = silent_server();
-            let (mut settler, confirmed, lease) = stalled(port, HOUR, 3, HOUR).await;
-            settler.store = store;
-            settler.shutdown = CancellationToken::new();
-            (settler, confirmed, lease)
-        };
+        // No shutdown.
+        let (mut settler, confirmed, lease) = over(store, 3).await;
+        settler.shutdown = CancellationToken::new();
         let removal = crate::host::spawn(settler.run(Settle::Remove {
             lease,
             records: confirmed,
