@@ -31,7 +31,7 @@ use bson::{Binary, Bson, DateTime, Document, doc};
 use futures::StreamExt;
 use timeoutd::config::{TimeEncoding, UuidRepresentation};
 use timeoutd::record::due::{self, Shape};
-use timeoutd::store::backend::{Backend, MongoError, Op, Reply};
+use timeoutd::store::backend::{AWAIT, Backend, ChangeStream, MongoError, Op, Reply};
 use timeoutd::store::lease::{self, Lease};
 use uuid::Uuid;
 
@@ -1223,11 +1223,7 @@ async fn change_streams_carry_inserts_with_their_documents() {
             .await
             .expect("insert");
         for expected in [first, second] {
-            let event = tokio::time::timeout(Duration::from_secs(30), stream.next())
-                .await
-                .unwrap_or_else(|_| panic!("{side}: no change event within 30 s"))
-                .expect("stream open")
-                .expect("event");
+            let event = next_event(&mut stream, side).await;
             assert_eq!(
                 event.get_str("operationType"),
                 Ok("insert"),
@@ -1245,6 +1241,49 @@ async fn change_streams_carry_inserts_with_their_documents() {
                     .and_then(|k| k.get("_id")),
                 expected.get("_id"),
                 "{side}: documentKey"
+            );
+        }
+    }
+    s.cleanup().await;
+}
+
+/// The next change event of `stream`, past any answers with nothing new.
+async fn next_event(stream: &mut ChangeStream, side: &str) -> Document {
+    let event = async {
+        loop {
+            match stream.next().await {
+                Some(Ok(Some(event))) => return event,
+                Some(Ok(None)) => {}
+                other => panic!("{side}: the stream failed or ended: {other:?}"),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), event)
+        .await
+        .unwrap_or_else(|_| panic!("{side}: no change event within 30 s"))
+}
+
+/// A change stream with nothing new answers each read within `AWAIT` all the same, with
+/// nothing: its follower tells a quiet stream from one whose reads go unanswered by that.
+#[tokio::test]
+async fn a_quiet_change_stream_answers_each_read_within_the_await() {
+    let _shared = SERVER_WIDE.read().await;
+    let s = Sides::new().await;
+    let pipeline = vec![
+        doc! { "$match": { "operationType": "insert", "fullDocument.Destination": "nobody" } },
+    ];
+    for (side, backend) in s.sides() {
+        let mut stream = backend.watch(COLL, pipeline.clone()).await.expect("watch");
+        for read in 0..3 {
+            // Generous: the server's answer comes at AWAIT; the test asserts that it comes.
+            let answer = tokio::time::timeout(AWAIT * 5, stream.next())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{side}: read {read} of a quiet stream went unanswered")
+                });
+            assert!(
+                matches!(answer, Some(Ok(None))),
+                "{side}: read {read}: {answer:?}"
             );
         }
     }

@@ -117,9 +117,15 @@ pub struct Written {
     pub upserted_id: Option<Bson>,
 }
 
-/// A change stream: each item is one change event as the server sends it
-/// (`operationType`, `fullDocument`, `documentKey`, ...).
-pub type ChangeStream = BoxStream<'static, Result<Document, MongoError>>;
+/// A change stream: each item is the server's answer to one read of it (a `getMore`):
+/// `Some` change event as the server sends it (`operationType`, `fullDocument`, `documentKey`,
+/// ...), or `None` when the server had nothing new within [`AWAIT`]. An open stream answers at
+/// least once per `AWAIT`, so its follower can tell a quiet stream from a stalled one.
+pub type ChangeStream = BoxStream<'static, Result<Option<Document>, MongoError>>;
+
+/// How long the server may hold one read of a change stream before it answers that it has
+/// nothing new (`maxAwaitTimeMS`): MongoDB's default, asked for explicitly.
+pub const AWAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// MongoDB, as the store sees it. Cheap to share (`Arc<dyn Backend>`).
 ///

@@ -19,7 +19,7 @@ use mongodb::{Client, Database};
 
 use crate::config::MongoConfig;
 use crate::store::StoreError;
-use crate::store::backend::{Backend, ChangeStream, MongoError, Op, Reply, Written};
+use crate::store::backend::{AWAIT, Backend, ChangeStream, MongoError, Op, Reply, Written};
 
 /// MongoDB through the `mongodb` driver: one database of one client.
 #[derive(Debug, Clone)]
@@ -224,9 +224,20 @@ impl Backend for Driver {
             let stream = coll
                 .watch()
                 .pipeline(pipeline)
+                .max_await_time(AWAIT)
                 .await?
                 .with_type::<Document>();
-            Ok(stream.boxed())
+            // One item per read (`getMore`), an empty one included, rather than the driver's
+            // `Stream`, which reads again in silence until an event comes: a read the server
+            // never answers would look like a quiet stream. Ends once the cursor is closed.
+            Ok(futures::stream::unfold(stream, |mut stream| async move {
+                if !stream.is_alive() {
+                    return None;
+                }
+                let read = stream.next_if_any().await;
+                Some((read, stream))
+            })
+            .boxed())
         })
     }
 

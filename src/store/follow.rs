@@ -3,9 +3,12 @@
 //! open the stream under `[mongodb] operation_timeout` ([`Store::bounded`]), hand each event,
 //! and each loss of an open stream, to the caller, and after a failure or the stream's end open
 //! it again one [`REOPEN`] later (a failed open waits the longer of that and its [`Pacing`]
-//! back-off). Where the server has no change streams (a standalone MongoDB) this is said once
-//! at info, then at debug while it lasts; polling alone serves. Every wait yields to shutdown,
-//! and nothing outlives a drop.
+//! back-off). A read of the stream the server leaves unanswered for `operation_timeout` past
+//! [`AWAIT`] (it answers every read within `AWAIT`, if only with nothing new) is a failure
+//! too, so wake-ups never stop in silence behind a server that answers everything else.
+//! Where the server has no change streams (a standalone MongoDB) this is said once at info,
+//! then at debug while it lasts; polling alone serves. Every wait yields to shutdown, and
+//! nothing outlives a drop.
 
 use std::time::Duration;
 
@@ -14,7 +17,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::backend::ChangeStream;
+use crate::store::backend::{AWAIT, ChangeStream};
 use crate::store::pacing::Pacing;
 use crate::store::{Store, StoreError};
 
@@ -55,6 +58,7 @@ pub async fn follow<O, E>(
 {
     let mut told = false;
     let mut opening = Pacing::new(store.operation_timeout());
+    let bound = store.operation_timeout().saturating_add(AWAIT);
     while !shutdown.is_cancelled() {
         let mut retry = REOPEN;
         let opened = tokio::select! {
@@ -67,18 +71,22 @@ pub async fn follow<O, E>(
                 tracing::debug!("watching {} (change stream)", followed.what);
                 told = false;
                 loop {
-                    let event = tokio::select! {
-                        e = stream.next() => e,
+                    // An open stream answers every read within [`AWAIT`], an event or nothing
+                    // new; one that does not answer within the call deadline past that is lost.
+                    let read = async { stream.next().await.transpose().map_err(StoreError::from) };
+                    let read = tokio::select! {
+                        r = crate::deadline::within(bound, "read the change stream", read) => r,
                         _ = shutdown.cancelled() => return,
                     };
-                    match event {
-                        Some(Ok(event)) => on_change(Change::Event(event)),
-                        Some(Err(e)) => {
+                    match read {
+                        Ok(Some(Some(event))) => on_change(Change::Event(event)),
+                        Ok(Some(None)) => {}
+                        Err(e) => {
                             tracing::warn!(error = %e, stream = followed.what, "change stream failed; reopening");
                             on_change(Change::Lost);
                             break;
                         }
-                        None => {
+                        Ok(None) => {
                             on_change(Change::Lost);
                             break;
                         }
@@ -162,7 +170,7 @@ mod tests {
     async fn events_reach_the_caller_and_an_ended_stream_reopens_after_the_delay() {
         // Each open: a stream of one event, numbered by the open, that then ends.
         let (opens, seen, shutdown, task) =
-            following(|n| Ok(futures::stream::iter(vec![Ok(doc! { "n": n })]).boxed())).await;
+            following(|n| Ok(futures::stream::iter(vec![Ok(Some(doc! { "n": n }))]).boxed())).await;
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(opens.load(Ordering::SeqCst), 1);
         tokio::time::sleep(REOPEN).await;
@@ -170,6 +178,37 @@ mod tests {
         let seen = seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let event = |n: i32| Change::Event(doc! { "n": n });
         assert_eq!(seen, vec![event(0), Change::Lost, event(1), Change::Lost]);
+        shutdown.cancel();
+        task.await.expect("the follower returns at shutdown");
+    }
+
+    /// A stream that answers every read, if only with nothing new, stays open; one whose
+    /// read goes unanswered is lost once the read's bound (the operation timeout past
+    /// [`AWAIT`]) passes, and opened again.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_stops_answering_is_lost_and_reopened() {
+        // The first open: ten quiet answers, one a second, then a read never answered.
+        let (opens, seen, shutdown, task) = following(|n| {
+            let quiet = futures::stream::iter((0..10).map(|_| Ok(None))).then(|r| async {
+                tokio::time::sleep(AWAIT).await;
+                r
+            });
+            Ok(match n {
+                0 => quiet.chain(futures::stream::pending()).boxed(),
+                _ => futures::stream::pending().boxed(),
+            })
+        })
+        .await;
+        let bound = MongoConfig::default().operation_timeout + AWAIT;
+        tokio::time::sleep(AWAIT * 10 + bound - Duration::from_millis(10)).await;
+        assert!(seen.lock().unwrap_or_else(|e| e.into_inner()).is_empty());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            *seen.lock().unwrap_or_else(|e| e.into_inner()),
+            [Change::Lost]
+        );
+        tokio::time::sleep(REOPEN).await;
+        assert_eq!(opens.load(Ordering::SeqCst), 2);
         shutdown.cancel();
         task.await.expect("the follower returns at shutdown");
     }

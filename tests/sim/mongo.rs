@@ -56,7 +56,7 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::future::BoxFuture;
 use futures::stream::StreamExt;
 use timeoutd::store::backend::{
-    Backend, ChangeStream, MongoError, Op, Reply, Written, command_error,
+    AWAIT, Backend, ChangeStream, MongoError, Op, Reply, Written, command_error,
 };
 use tokio::sync::{broadcast, oneshot};
 use tokio::time::Instant;
@@ -2252,11 +2252,20 @@ impl MongoModel {
             let coll = coll.clone();
             async move {
                 let mut rx = rx?;
+                // A read answers within AWAIT, with nothing new if nothing matched (a
+                // `getMore` under `maxAwaitTimeMS`).
+                let quiet = tokio::time::sleep(AWAIT);
+                tokio::pin!(quiet);
                 loop {
-                    match rx.recv().await {
+                    let received = tokio::select! {
+                        biased;
+                        r = rx.recv() => r,
+                        _ = &mut quiet => return Some((Ok(None), Some(rx))),
+                    };
+                    match received {
                         Ok(Broadcast::Event(c, event)) => {
                             if c == coll && filters.iter().all(|f| matches(f, &event)) {
-                                return Some((Ok(event), Some(rx)));
+                                return Some((Ok(Some(event)), Some(rx)));
                             }
                         }
                         Ok(Broadcast::Cut) => {
