@@ -152,22 +152,23 @@ async fn run_tasks_under(
     // Kept to close the client at the end, within a deadline, before the runtime goes.
     let client = store.clone();
     // Every step of start-up yields to shutdown: a SIGTERM while a call waits for its
-    // deadline ends start-up at once (what it spawned sees the same token).
-    let starting = async {
-        match wait_for_mongodb(&store, &health, &shutdown).await {
-            Some(pauses) => {
-                start(
-                    &config, store, publisher, pauses, &health, &shutdown, &mut tasks,
-                )
-                .await
-            }
-            None => Ok(()),
-        }
-    };
-    let started = tokio::select! {
+    // deadline ends start-up at once (what it spawned sees the same token). The wait for
+    // MongoDB, which can last, also yields to a task that fails meanwhile (the HTTP
+    // endpoints): start-up's own calls are bounded, and the tasks are watched after them.
+    let reached = tokio::select! {
         biased;
-        _ = shutdown.cancelled() => Ok(()),
-        started = starting => started,
+        _ = shutdown.cancelled() => None,
+        failed = tasks.until_stopped() => failed.map(Err),
+        pauses = wait_for_mongodb(&store, &health, &shutdown) => pauses.map(Ok),
+    };
+    let started = match reached {
+        Some(Ok(pauses)) => tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => Ok(()),
+            started = start(&config, store, publisher, pauses, &health, &shutdown, &mut tasks) => started,
+        },
+        Some(Err(failed)) => Err(DaemonError::from(failed)),
+        None => Ok(()),
     };
     if started.is_err() {
         shutdown.cancel();
@@ -408,6 +409,28 @@ mod tests {
         let pauses = wait_for_mongodb(&store, &health, &CancellationToken::new()).await;
         assert_eq!(pause_reads.load(Ordering::SeqCst), 2);
         assert_eq!(pauses.expect("no shutdown").paused, ["q"]);
+    }
+
+    /// A task that fails while start-up waits for MongoDB stops the daemon at once, with
+    /// that failure: before, nothing watched the tasks until MongoDB answered, and a daemon
+    /// whose HTTP endpoints were gone waited on for as long as MongoDB did not answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_task_failing_while_start_up_waits_for_mongodb_stops_the_daemon() {
+        let config = Arc::new(Config::default());
+        let (_server, store) = Store::silent();
+        let publisher = Publisher::new(&config.rabbitmq).expect("publisher");
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let shutdown = CancellationToken::new();
+        let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
+        tasks.spawn_lasting("http", async { Err::<(), _>("the listener closed") });
+        let run = run_tasks_under(config, store, publisher, health, shutdown, tasks, || {});
+        let ended = tokio::time::timeout(Duration::from_secs(300), run)
+            .await
+            .expect("the daemon stops while MongoDB never answers");
+        assert!(
+            matches!(&ended, Err(DaemonError::TaskFailed(f)) if f.task == "http"),
+            "{ended:?}"
+        );
     }
 
     /// Issue 25, 8.2: with MongoDB stalled from before start, `/healthz` answered 503 for most

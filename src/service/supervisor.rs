@@ -7,7 +7,7 @@
 //! daemon returns an error, so that the process exits non-zero and systemd or Kubernetes
 //! restarts it. A process that runs but dispatches nothing never looks healthy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -43,7 +43,7 @@ pub struct Supervisor {
     names: HashMap<Id, &'static str>,
     /// Tasks that run until after the drain (the HTTP endpoints): not waited for by
     /// [`Supervisor::watch`].
-    lasting: usize,
+    lasting: HashSet<Id>,
     shutdown: CancellationToken,
     health: Arc<Health>,
 }
@@ -53,7 +53,7 @@ impl Supervisor {
         Self {
             tasks: JoinSet::new(),
             names: HashMap::new(),
-            lasting: 0,
+            lasting: HashSet::new(),
             shutdown,
             health,
         }
@@ -64,7 +64,7 @@ impl Supervisor {
         &mut self,
         name: &'static str,
         task: impl Future<Output = Result<(), E>> + Send + 'static,
-    ) {
+    ) -> Id {
         let handle = crate::host::spawn_in(&mut self.tasks, async move {
             match AssertUnwindSafe(task).catch_unwind().await {
                 Ok(Ok(())) => Ok(()),
@@ -73,6 +73,7 @@ impl Supervisor {
             }
         });
         self.names.insert(handle.id(), name);
+        handle.id()
     }
 
     /// Starts an essential task that lasts until after the drain (stopped by its own token).
@@ -81,18 +82,14 @@ impl Supervisor {
         name: &'static str,
         task: impl Future<Output = Result<(), E>> + Send + 'static,
     ) {
-        self.lasting += 1;
-        self.spawn(name, task);
+        let id = self.spawn(name, task);
+        self.lasting.insert(id);
     }
 
-    /// Waits for shutdown or for the first failure (which starts shutdown), then for every
-    /// task but the lasting ones to end, at most `drain` long. Returns the failure, if any,
-    /// and the deadline (`drain` after shutdown began) that everything after must meet too.
-    pub async fn watch(
-        &mut self,
-        drain: Duration,
-    ) -> (Result<(), TaskFailed>, tokio::time::Instant) {
-        let mut failure = None;
+    /// Waits for shutdown or for the first failure, which starts shutdown and is returned.
+    /// Start-up waits on this beside its own work, so that a task failing meanwhile (the
+    /// HTTP endpoints, while MongoDB does not answer) stops the daemon at once.
+    pub async fn until_stopped(&mut self) -> Option<TaskFailed> {
         while !self.shutdown.is_cancelled() {
             tokio::select! {
                 biased;
@@ -106,13 +103,25 @@ impl Supervisor {
                         None => "ended".into(),
                         Some(how) => how,
                     };
-                    failure = Some(self.failed(task, how));
+                    return Some(self.failed(task, how));
                 }
             }
         }
+        None
+    }
+
+    /// Waits for shutdown or for the first failure (which starts shutdown), then for every
+    /// task but the lasting ones to end, at most `drain` long. Returns the failure, if any,
+    /// and the deadline (`drain` after shutdown began) that everything after must meet too.
+    pub async fn watch(
+        &mut self,
+        drain: Duration,
+    ) -> (Result<(), TaskFailed>, tokio::time::Instant) {
+        let mut failure = self.until_stopped().await;
         let deadline = crate::deadline::later(tokio::time::Instant::now(), drain);
         let drained = tokio::time::timeout_at(deadline, async {
-            while self.tasks.len() > self.lasting {
+            // Until every task but the lasting ones ended, whichever of them ended before.
+            while self.names.keys().any(|id| !self.lasting.contains(id)) {
                 let Some(joined) = self.tasks.join_next_with_id().await else {
                     break;
                 };
@@ -166,5 +175,39 @@ impl Supervisor {
         m::up(false);
         self.shutdown.cancel();
         TaskFailed { task, how }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// After a lasting task (the HTTP endpoints) failed, the drain still waits for every
+    /// other task to end: before, it counted the tasks left against the number of lasting
+    /// ones, and stopped with the dispatch loop still draining.
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_waits_for_each_task_after_a_lasting_one_failed() {
+        let shutdown = CancellationToken::new();
+        let mut tasks = Supervisor::new(
+            shutdown.clone(),
+            Arc::new(Health::new(Duration::from_secs(1))),
+        );
+        let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        tasks.spawn_lasting("http", async { Err::<(), _>("the listener closed") });
+        tasks.spawn("dispatch", {
+            let (shutdown, drained) = (shutdown.clone(), drained.clone());
+            async move {
+                shutdown.cancelled().await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                drained.store(true, std::sync::atomic::Ordering::SeqCst);
+                Ok::<(), std::convert::Infallible>(())
+            }
+        });
+        let (result, _) = tasks.watch(Duration::from_secs(60)).await;
+        assert_eq!(result.map_err(|f| f.task), Err("http"));
+        assert!(
+            drained.load(std::sync::atomic::Ordering::SeqCst),
+            "the drain ended before the dispatch loop did"
+        );
     }
 }
