@@ -108,6 +108,12 @@ fn each_rule_names_its_key() {
         ),
         ("[mongodb]\nuri = \"\"", "mongodb.uri"),
         ("[mongodb]\nuri = \"postgres://h\"", "mongodb.uri"),
+        // The driver refuses it (exit 1 at start-up, before this rule).
+        ("[mongodb]\nuri = \"mongodb://h:notaport/\"", "mongodb.uri"),
+        (
+            "[mongodb]\nuri = \"mongodb://h/?nosuchoption=1&maxPoolSize=x\"",
+            "mongodb.uri",
+        ),
         ("[mongodb]\ndatabase = \" \"", "mongodb.database"),
         ("[mongodb]\ncollection = \"\"", "mongodb.collection"),
         (

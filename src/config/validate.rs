@@ -196,6 +196,18 @@ impl Config {
                 "must start with mongodb:// or mongodb+srv://",
             );
         }
+        // What the driver would refuse at start-up (an exit 1 there, with a stack of causes),
+        // said here with the key. Its message is redacted: it may quote a part of the URI.
+        if has_scheme(&self.mongodb.uri, &["mongodb://", "mongodb+srv://"])
+            && !self.mongodb.uri.is_empty()
+            && let Err(e) = mongodb::options::ConnectionString::parse(&self.mongodb.uri)
+        {
+            let why = crate::redact::redact_text(&e.to_string());
+            bad(
+                "mongodb.uri",
+                &format!("is not a MongoDB connection string the driver accepts: {why}"),
+            );
+        }
         if uri_has_unacknowledged_write_concern(&self.mongodb.uri) {
             bad(
                 "mongodb.uri",

@@ -24,8 +24,8 @@ const ALL: &[&str] = &[MONGO_PW, KEY_PW, TOKEN, PROXY_PW, AMQP_PW, FILE_SECRET];
 fn secret_mongodb_uri(host: &str) -> String {
     format!(
         "mongodb://timeoutd:{MONGO_PW}@{host}/?tlsCertificateKeyFilePassword={KEY_PW}\
-         &authMechanismProperties=AWS_SESSION_TOKEN:{TOKEN}&proxyPassword={PROXY_PW}\
-         &serverSelectionTimeoutMS=2000"
+         &authMechanismProperties=AWS_SESSION_TOKEN:{TOKEN}&proxyHost=127.0.0.1&proxyPort=9\
+         &proxyUsername=timeoutd&proxyPassword={PROXY_PW}&serverSelectionTimeoutMS=2000"
     )
 }
 
@@ -172,8 +172,8 @@ fn a_list_of_rabbitmq_nodes_from_the_environment_or_a_file_is_shown_per_node_red
 #[test]
 fn one_shot_command_errors_and_trace_logs_hide_credentials() {
     let host = mongo_host();
-    // The driver refuses tlsCertificateKeyFilePassword (a feature timeoutd does not build),
-    // and, without it, the server refuses the password: two different error paths.
+    // Through a proxy that is not there, and, without it, the server refuses the password:
+    // two different error paths.
     let without_key_pw = format!(
         "mongodb://timeoutd:{MONGO_PW}@{host}/?authMechanismProperties=SERVICE_NAME:{TOKEN}\
          &serverSelectionTimeoutMS=2000"
