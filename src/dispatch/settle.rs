@@ -699,56 +699,6 @@ pub(crate) mod tests {
         assert_eq!(possible_duplicates(&recorder.handle()), 2.0);
     }
 
-    /// A server whose delete removes two of the three records it is given and whose reads never
-    /// answer: a removal names its lost leases with a read that hangs.
-    #[derive(Debug)]
-    struct ShortDeleteThenSilent;
-
-    impl crate::store::backend::Backend for ShortDeleteThenSilent {
-        fn run(
-            &self,
-            _: &str,
-            op: crate::store::backend::Op,
-        ) -> futures::future::BoxFuture<
-            'static,
-            Result<crate::store::backend::Reply, crate::store::backend::MongoError>,
-        > {
-            use crate::store::backend::{Op, Reply, Written};
-            use futures::FutureExt;
-            match op {
-                // The test gives it three.
-                Op::Delete { .. } => {
-                    let written = Written {
-                        deleted: 2,
-                        ..Written::default()
-                    };
-                    futures::future::ready(Ok(Reply::Written(written))).boxed()
-                }
-                _ => futures::future::pending().boxed(),
-            }
-        }
-        fn command(
-            &self,
-            _: Document,
-        ) -> futures::future::BoxFuture<'static, Result<Document, crate::store::backend::MongoError>>
-        {
-            Box::pin(futures::future::pending())
-        }
-        fn watch(
-            &self,
-            _: &str,
-            _: Vec<Document>,
-        ) -> futures::future::BoxFuture<
-            'static,
-            Result<crate::store::backend::ChangeStream, crate::store::backend::MongoError>,
-        > {
-            Box::pin(futures::future::pending())
-        }
-        fn shutdown(&self) -> futures::future::BoxFuture<'static, ()> {
-            Box::pin(futures::future::ready(()))
-        }
-    }
-
     fn counter(metrics: &PrometheusHandle, name: &str) -> f64 {
         let value = |l: &str| l.rsplit(' ').next()?.parse::<f64>().ok();
         let text = metrics.render();
@@ -766,7 +716,16 @@ pub(crate) mod tests {
         let _recorder = metrics::set_default_local_recorder(&recorder);
         let mut config = Config::default();
         config.mongodb.operation_timeout = Duration::from_secs(600);
-        let backend = Arc::new(ShortDeleteThenSilent);
+        // A server whose delete removes two of the three records it is given (the test gives
+        // it three) and whose reads never answer: the read naming the lost leases hangs.
+        use crate::store::backend::{Answer, Answering, Op, Reply, Written};
+        let backend = Arc::new(Answering::new(|op: Op| match op {
+            Op::Delete { .. } => Answer::Now(Ok(Reply::Written(Written {
+                deleted: 2,
+                ..Written::default()
+            }))),
+            _ => Answer::Never,
+        }));
         let store = Store::with_backend(backend, &config.mongodb, ServerClock::default());
         let (settler, confirmed, lease) = over(store, 3).await;
         removal_until_the_drain_ends(settler, confirmed, lease).await;

@@ -128,7 +128,7 @@ mod tests {
         let health = Arc::new(Health::new(Duration::from_secs(1)));
         let stop = CancellationToken::new();
         let task = crate::host::spawn(run(store.clone(), shapes, health, Vec::new(), stop.clone()));
-        while silent.calls.load(Ordering::SeqCst) == 0 {
+        while silent.load(Ordering::SeqCst) == 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let stopped = Instant::now();

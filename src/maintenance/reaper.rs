@@ -170,7 +170,7 @@ mod tests {
         let (silent, store) = Store::silent();
         let stop = CancellationToken::new();
         let task = crate::host::spawn(run(store.clone(), Duration::from_secs(1), stop.clone()));
-        while silent.calls.load(Ordering::SeqCst) == 0 {
+        while silent.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
         let stopped = tokio::time::Instant::now();

@@ -160,9 +160,34 @@ pub fn command_error(code: i32, code_name: &str, message: &str) -> MongoError {
     }
 }
 
+/// What a test backend's function answers to one call: a result at once, or nothing ever
+/// (a call the server takes and never answers). A `Result` converts into `Now`.
+#[cfg(test)]
+pub(crate) enum Answer<T> {
+    Now(Result<T, MongoError>),
+    Never,
+}
+
+#[cfg(test)]
+impl<T> From<Result<T, MongoError>> for Answer<T> {
+    fn from(result: Result<T, MongoError>) -> Self {
+        Self::Now(result)
+    }
+}
+
+#[cfg(test)]
+impl<T: Send + 'static> Answer<T> {
+    fn future(self) -> BoxFuture<'static, Result<T, MongoError>> {
+        match self {
+            Self::Now(result) => Box::pin(async move { result }),
+            Self::Never => Box::pin(futures::future::pending()),
+        }
+    }
+}
+
 /// A backend whose collection operations one function answers and whose commands another
-/// does ([`Answering::new`]: `ok`), for unit tests that need no server; change streams cannot
-/// be opened.
+/// does ([`Answering::new`]: `ok`), each with a result or an [`Answer`], for unit tests that
+/// need no server; change streams cannot be opened.
 #[cfg(test)]
 pub(crate) struct Answering<F, C = fn(Document) -> Result<Document, MongoError>>(pub F, pub C);
 
@@ -181,19 +206,19 @@ impl<F, C> fmt::Debug for Answering<F, C> {
 }
 
 #[cfg(test)]
-impl<F, C> Backend for Answering<F, C>
+impl<F, C, R, D> Backend for Answering<F, C>
 where
-    F: Fn(Op) -> Result<Reply, MongoError> + Send + Sync + 'static,
-    C: Fn(Document) -> Result<Document, MongoError> + Send + Sync + 'static,
+    F: Fn(Op) -> R + Send + Sync + 'static,
+    C: Fn(Document) -> D + Send + Sync + 'static,
+    R: Into<Answer<Reply>>,
+    D: Into<Answer<Document>>,
 {
     fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
-        let reply = (self.0)(op);
-        Box::pin(async move { reply })
+        (self.0)(op).into().future()
     }
 
     fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-        let reply = (self.1)(command);
-        Box::pin(async move { reply })
+        (self.1)(command).into().future()
     }
 
     fn watch(
@@ -208,45 +233,6 @@ where
                 "no change streams here",
             ))
         })
-    }
-
-    fn shutdown(&self) -> BoxFuture<'static, ()> {
-        Box::pin(async {})
-    }
-}
-
-/// A backend that takes every call and never answers (a stalled server), counting the calls
-/// begun: for unit tests of what waits on MongoDB.
-#[cfg(test)]
-#[derive(Debug, Default)]
-pub(crate) struct Silent {
-    pub calls: std::sync::atomic::AtomicUsize,
-}
-
-#[cfg(test)]
-impl Silent {
-    fn stall<T: Send + 'static>(&self) -> BoxFuture<'static, T> {
-        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Box::pin(futures::future::pending())
-    }
-}
-
-#[cfg(test)]
-impl Backend for Silent {
-    fn run(&self, _: &str, _: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
-        self.stall()
-    }
-
-    fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-        self.stall()
-    }
-
-    fn watch(
-        &self,
-        _: &str,
-        _: Vec<Document>,
-    ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-        self.stall()
     }
 
     fn shutdown(&self) -> BoxFuture<'static, ()> {

@@ -430,10 +430,8 @@ mod tests {
     use crate::config::{MongoConfig, UuidRepresentation};
     use crate::record::due::Shape;
     use crate::record::guid;
-    use crate::store::backend::{Answering, Backend, ChangeStream, MongoError, Op, Reply, Written};
+    use crate::store::backend::{Answer, Answering, Op, Reply, Written};
     use crate::store::clock::ServerClock;
-    use futures::FutureExt;
-    use futures::future::BoxFuture;
 
     /// A free record due `ms` from now (negative: in the past).
     fn record(ms: i64) -> Document {
@@ -503,55 +501,32 @@ mod tests {
             .expect("a bound")
     }
 
-    /// A server that applies a take's compare-and-swap only after the caller gave up on it
-    /// (and after the release the caller sent then). Every operation is recorded.
-    #[derive(Debug)]
-    struct LateTake {
-        due: Document,
-        ops: Arc<Mutex<Vec<Op>>>,
-    }
-
-    impl Backend for LateTake {
-        fn run(&self, _: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
-            self.ops
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(op.clone());
-            let taking = matches!(&op, Op::Update { update, .. } if update.get_document("$set").is_ok_and(|s| s.get(field::LOCKED) == Some(&Bson::Boolean(true))));
-            let reply = match op {
-                Op::Find { .. } => Reply::Docs(vec![self.due.clone()]),
-                _ => Reply::Written(Written::default()),
-            };
-            if taking {
-                return futures::future::pending().boxed();
-            }
-            futures::future::ready(Ok(reply)).boxed()
-        }
-        fn command(&self, _: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-            futures::future::ready(Ok(Document::new())).boxed()
-        }
-        fn watch(
-            &self,
-            _: &str,
-            _: Vec<Document>,
-        ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-            futures::future::pending().boxed()
-        }
-        fn shutdown(&self) -> BoxFuture<'static, ()> {
-            futures::future::ready(()).boxed()
-        }
-    }
-
     /// A take given up on by its caller is released at once; its compare-and-swap may still
     /// land on the server after that release, leasing the records to an owner nobody holds,
     /// for a whole lease. They are released again once it has surely ended.
     #[tokio::test(start_paused = true)]
     async fn a_take_given_up_on_is_released_again_once_it_has_surely_ended() {
+        // A server that never answers the take's compare-and-swap (it may apply it after the
+        // caller gave up, after the release sent then). Every operation is recorded.
         let ops: Arc<Mutex<Vec<Op>>> = Arc::default();
-        let backend = LateTake {
-            due: record(-60_000),
-            ops: ops.clone(),
-        };
+        let (asked, due) = (ops.clone(), record(-60_000));
+        let backend = Answering::new(move |op: Op| {
+            asked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(op.clone());
+            match op {
+                Op::Find { .. } => Answer::Now(Ok(Reply::Docs(vec![due.clone()]))),
+                Op::Update { update, .. }
+                    if update
+                        .get_document("$set")
+                        .is_ok_and(|s| s.get(field::LOCKED) == Some(&Bson::Boolean(true))) =>
+                {
+                    Answer::Never
+                }
+                _ => Answer::Now(Ok(Reply::Written(Written::default()))),
+            }
+        });
         let config = MongoConfig::default();
         let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
         let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));

@@ -120,13 +120,26 @@ impl Store {
     }
 
     /// A store with the default configuration on a server that takes every call and never
-    /// answers, and that server (for unit tests of what waits on MongoDB).
+    /// answers, and the count of the calls it took (for unit tests of what waits on MongoDB).
     #[cfg(test)]
-    pub(crate) fn silent() -> (Arc<backend::Silent>, Self) {
-        let silent = Arc::new(backend::Silent::default());
+    pub(crate) fn silent() -> (Arc<std::sync::atomic::AtomicUsize>, Self) {
+        use backend::{Answer, Answering};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (ops, commands) = (calls.clone(), calls.clone());
+        let silent = Answering(
+            move |_: backend::Op| -> Answer<backend::Reply> {
+                ops.fetch_add(1, Ordering::SeqCst);
+                Answer::Never
+            },
+            move |_: bson::Document| -> Answer<bson::Document> {
+                commands.fetch_add(1, Ordering::SeqCst);
+                Answer::Never
+            },
+        );
         let config = MongoConfig::default();
-        let store = Self::with_backend(silent.clone(), &config, ServerClock::default());
-        (silent, store)
+        let store = Self::with_backend(Arc::new(silent), &config, ServerClock::default());
+        (calls, store)
     }
 
     /// A store over `backend`, the driver or a model, for the collections `config` names.

@@ -544,7 +544,7 @@ mod tests {
         let (learner, _shapes) = learner(&store);
         let stop = CancellationToken::new();
         let task = crate::host::spawn(learner.expect("auto learns").run(stop.clone()));
-        while silent.calls.load(Ordering::SeqCst) == 0 {
+        while silent.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
         let stopped = Instant::now();
