@@ -600,6 +600,12 @@ pub(crate) mod tests {
         let store = Store::connect(&config.mongodb, ServerClock::default())
             .await
             .expect("store");
+        over(store, n, lease)
+    }
+
+    /// A settler (shutdown begun) over `store`, and `n` confirmed records of one claim leased
+    /// for `lease`.
+    fn over(store: Store, n: i32, lease: Duration) -> Removal {
         let now = store.clock().now();
         let sent = |n| Leased {
             id: Bson::Int32(n),
@@ -615,7 +621,7 @@ pub(crate) mod tests {
         };
         let settler = Settler {
             store,
-            retry: config.retry,
+            retry: Config::default().retry,
             history: None,
             health: Arc::new(Health::new(Duration::from_secs(1))),
             shutdown: CancellationToken::new(),
@@ -623,14 +629,6 @@ pub(crate) mod tests {
         };
         settler.shutdown.cancel();
         (settler, (0..n).map(sent).collect(), Lease::new(now, lease))
-    }
-
-    /// `stalled`'s settler (shutdown begun) and `n` records leased for an hour, over `store`.
-    async fn over(store: Store, n: i32) -> Removal {
-        let (_server, port) = silent_server();
-        let (mut settler, confirmed, lease) = stalled(port, HOUR, n, HOUR).await;
-        settler.store = store;
-        (settler, confirmed, lease)
     }
 
     /// The records counted as possible duplicates or lost leases.
@@ -727,7 +725,7 @@ pub(crate) mod tests {
             _ => Answer::Never,
         }));
         let store = Store::with_backend(backend, &config.mongodb, ServerClock::default());
-        let (settler, confirmed, lease) = over(store, 3).await;
+        let (settler, confirmed, lease) = over(store, 3, HOUR);
         removal_until_the_drain_ends(settler, confirmed, lease).await;
         let handle = recorder.handle();
         assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
@@ -755,7 +753,7 @@ pub(crate) mod tests {
             _ => Ok(Reply::Docs(Vec::new())),
         });
         let store = Store::with_backend(Arc::new(backend), &config.mongodb, ServerClock::default());
-        let (settler, confirmed, lease) = over(store, 2).await;
+        let (settler, confirmed, lease) = over(store, 2, HOUR);
         settler
             .run(Settle::Remove {
                 lease,
@@ -783,7 +781,7 @@ pub(crate) mod tests {
         let store =
             Store::with_backend(Arc::new(panicking), &config.mongodb, ServerClock::default());
         // No shutdown.
-        let (mut settler, confirmed, lease) = over(store, 3).await;
+        let (mut settler, confirmed, lease) = over(store, 3, HOUR);
         settler.shutdown = CancellationToken::new();
         let removal = crate::host::spawn(settler.run(Settle::Remove {
             lease,
