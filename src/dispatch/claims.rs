@@ -51,6 +51,10 @@ pub(super) struct Claims {
     pub(super) next_at: Instant,
     /// A wake-up came while a claim ran: claim again as soon as it returns.
     pub(super) woken: bool,
+    /// Where the last claim stopped reading (server ms) when held records cut its look-ahead
+    /// short ([`super::machine::Machine::claim_ahead`]): records due past it are unseen, and
+    /// once a claim may read further (the soonest held went out), one comes at once.
+    pub(super) cut_at: Option<i64>,
     /// No claim before this (publishes went unconfirmed), whatever else says "at once".
     pub(super) not_before: Instant,
     /// Spaces claims after failures (and after a timed-out one, not before its abandoned run

@@ -687,6 +687,54 @@ fn with_two_batches_held_a_claim_reads_only_what_is_due_before_them() {
     );
 }
 
+/// The simulation's `late` invariant, seed 7763: with batch 1, an instance holding two
+/// records read only up to the soonest; once that one went out, the next claim waited for the
+/// poll interval, and a record due 86 ms after it went out 256 ms late. A claim cut short by
+/// held records is followed by one at once when a claim may read further.
+#[test]
+fn a_claim_cut_short_by_held_records_reads_on_once_they_go_out() {
+    let mut config = Config::default();
+    config.dispatch.batch_size = 1;
+    config.dispatch.poll_interval = Duration::from_secs(1);
+    let mut r = Rig::up(config);
+    let read_ahead = |r: &mut Rig| {
+        r.commands().into_iter().find_map(|c| match c {
+            Command::Read { ahead, .. } => Some(ahead),
+            _ => None,
+        })
+    };
+    let lease = r.lease(60);
+    let nothing = |r: &mut Rig| {
+        r.candidates(&[]);
+        assert!(r.takes());
+        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
+    };
+    assert!(read_ahead(&mut r).is_some(), "the first claim");
+    nothing(&mut r);
+    let soon = DateTime::from_millis(r.server().timestamp_millis() + 500);
+    let later = DateTime::from_millis(r.server().timestamp_millis() + 1_500);
+    r.m.held.push(leased(0, soon, lease));
+    r.m.held.push(leased(1, later, lease));
+    r.handle(Input::Inserted);
+    assert_eq!(
+        read_ahead(&mut r),
+        Some(Duration::from_millis(499)),
+        "cut short"
+    );
+    nothing(&mut r);
+    // The soonest falls due and goes out: a claim reads on at once, not at the next poll.
+    r.advance(Duration::from_millis(500));
+    let commands = r.commands();
+    assert!(
+        matches!(&commands[..], [Command::Publish { messages, .. }, Command::Read { ahead, .. }]
+            if messages.len() == 1 && *ahead == Duration::from_secs(2)),
+        "the wave, then a claim of the whole look-ahead at once: {commands:?}"
+    );
+    nothing(&mut r);
+    r.advance(Duration::from_millis(10));
+    assert_eq!(read_ahead(&mut r), None, "then at the poll interval again");
+}
+
 /// A panic during the drain makes the driver say shutdown again: the drain's end stayed
 /// counted from the first, or a panicking loop could put it off for ever.
 #[test]
