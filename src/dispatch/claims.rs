@@ -42,8 +42,9 @@ pub(super) enum Gate {
 }
 
 /// When the next claim runs: every poll interval counted from the start of the last claim, at
-/// once while more is due, at once after a wake-up (even one that came while a claim ran),
-/// later after a failure, and never during the hold-off after unconfirmed waves.
+/// once while more is due, at once after a wake-up (even one that came while a claim ran) or
+/// once held records no longer cut a claim short (`cut_at`), later after a failure, and never
+/// during the hold-off after unconfirmed waves.
 #[derive(Debug)]
 pub(super) struct Claims {
     pub(super) poll: Duration,
