@@ -89,17 +89,20 @@ impl Claims {
         };
     }
 
-    /// A claim failed: try again after `wait`. A wake-up that comes once it failed (an insert,
-    /// a change of pauses or shapes) claims at once all the same, beside a timed-out run the
-    /// server may still be running: the one exception to `store/pacing.rs`'s rule, and a
-    /// bounded one (one claim at a time, so at most one abandoned run beside it), taken
-    /// because a timeout must fire on time. Holding it to `wait` made a record inserted after
-    /// a lost reply 348 ms late where 250 are allowed (the simulation's `late` invariant,
-    /// seed 215).
+    /// A claim failed: try again after `wait`. A wake-up that came while it ran or comes once
+    /// it failed (an insert, a change of pauses or shapes) claims at once all the same,
+    /// beside a timed-out run the server may still be running: the one exception to
+    /// `store/pacing.rs`'s rule, and a bounded one (one claim at a time, so at most one
+    /// abandoned run beside it), taken because a timeout must fire on time. Holding it to
+    /// `wait` made a record inserted after a lost reply 348 ms late where 250 are allowed (the
+    /// simulation's `late` invariant, seed 215).
     pub(super) fn failed(&mut self, wait: Duration, at: Instant) {
         self.step = Step::Idle;
-        self.woken = false;
-        self.next_at = at + wait;
+        // A wake-up that came while the failed claim ran counts as one that comes after it.
+        self.next_at = match std::mem::take(&mut self.woken) {
+            true => at,
+            false => at + wait,
+        };
     }
 
     pub(super) fn hold_off(&mut self, wait: Duration, at: Instant) {

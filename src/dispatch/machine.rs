@@ -363,10 +363,15 @@ impl Machine {
             Input::Answered => self.on_answered(now.at),
             Input::WaveSent { outcomes, open } => self.on_wave_sent(outcomes, open, now),
             Input::LinkDied => {
-                tracing::error!("the task that had the RabbitMQ link died; reconnecting");
-                if let Link::Publishing(wave) =
-                    std::mem::replace(&mut self.link, Link::Down { retry_at: now.at })
-                {
+                // Spaced as a failed connect is: a link task that dies in every connect (a
+                // panic in the handshake) reconnected at once, for ever.
+                let wait = self.reconnect.next_delay();
+                tracing::error!(retry_in = ?wait, "the task that had the RabbitMQ link died; reconnecting");
+                self.health.set_up(m::RABBITMQ, false);
+                let down = Link::Down {
+                    retry_at: now.at + wait,
+                };
+                if let Link::Publishing(wave) = std::mem::replace(&mut self.link, down) {
                     // The wave's outcomes are unknown: possible duplicates, and unanswered.
                     m::possible_duplicates(m::DUPLICATE_PANIC, wave.records.len());
                     let ids: Vec<Bson> = wave.records.iter().map(|r| r.id.clone()).collect();

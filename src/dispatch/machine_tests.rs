@@ -538,6 +538,36 @@ fn a_wake_up_during_a_claim_is_not_lost() {
     assert!(r.reads());
 }
 
+/// helper-22: a wake-up that came while a claim ran was dropped when the claim then failed,
+/// and the claims waited out the failure's back-off (after a deadline, `operation_timeout`
+/// more): the record inserted went out that much late, where one inserted just after the
+/// failure is claimed at once.
+#[test]
+fn a_wake_up_during_a_claim_that_fails_is_not_lost() {
+    let mut r = Rig::up(Config::default());
+    assert!(r.reads());
+    r.handle(Input::Inserted);
+    let deadline = crate::deadline::Elapsed {
+        what: "find",
+        limit: Duration::from_secs(10),
+    };
+    r.handle(Input::Candidates(Err(StoreError::Deadline(deadline))));
+    assert!(r.reads(), "the wake-up claims at once");
+}
+
+/// helper-22: a link task that died while connecting (a panic in the handshake) left the link
+/// down until now, and the connect was tried again at once, for ever; a failed connect waits
+/// for the reconnect back-off, and so does this.
+#[test]
+fn a_link_task_that_dies_reconnects_after_the_back_off() {
+    let mut r = Rig::new(Config::default());
+    assert!(matches!(r.commands()[..], [Command::Connect]));
+    r.handle(Input::LinkDied);
+    assert!(r.commands().is_empty(), "no connect at once");
+    r.advance(Duration::from_secs(11));
+    assert!(matches!(r.commands()[..], [Command::Connect]));
+}
+
 /// An unconfirmed wave sets the hold-off while a claim runs; the claim then returns with
 /// more to take, or after a wake-up, or fails. None of these may claim (and publish the
 /// records just released) again before the hold-off ends.
