@@ -178,6 +178,11 @@ pub struct Machine {
     blocked: bool,
     claims: Claims,
     held: Held,
+    /// Records the broker confirmed after their lease may have run out, with no copy held
+    /// then, each until a lease later: a claim of this instance that takes one again
+    /// (it was running then, or started before the removal) removes it under its own lease
+    /// instead of sending it again.
+    delivered: Vec<(Bson, Instant)>,
     settle: SettleQueue,
     settling: Settling,
     control: Control,
@@ -211,6 +216,7 @@ impl Machine {
             reconnect: Backoff::reconnect(),
             blocked: false,
             held: Held::default(),
+            delivered: Vec::new(),
             settle: SettleQueue::default(),
             settling: Settling::default(),
             history: false,
@@ -708,16 +714,35 @@ impl Machine {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
             return self.settle.release(rows, "publish_failed");
         }
+        self.delivered.retain(|(_, until)| now.at < *until);
+        let mut again = Vec::new();
         for row in claim.rows {
             match triage(row.record) {
-                Ok(record) => self.held.push(Leased {
-                    id: row.id,
-                    raw: row.raw,
-                    record,
-                    lease,
-                }),
+                Ok(record) => {
+                    let leased = Leased {
+                        id: row.id,
+                        raw: row.raw,
+                        record,
+                        lease,
+                    };
+                    match self.delivered.iter().position(|(id, _)| *id == leased.id) {
+                        Some(i) => {
+                            self.delivered.swap_remove(i);
+                            again.push(leased);
+                        }
+                        None => self.held.push(leased),
+                    }
+                }
                 Err(why) => self.park(row.id, row.raw, String::new(), lease, why),
             }
+        }
+        if !again.is_empty() {
+            // Delivered already (helper-22: a claim running when the confirm came took the
+            // record again after its lease ran out, and it was sent a second time).
+            self.settle.push(Settle::Remove {
+                lease,
+                records: again,
+            });
         }
         if self.blocked {
             self.release_held("blocked", BLOCKED);
@@ -875,6 +900,13 @@ impl Machine {
             .collect();
         if !lapsed.is_empty() {
             let copies = self.held.take_matching(|h| lapsed.contains(&h.id));
+            let until = now.at + self.config.dispatch.lock_lease;
+            self.delivered.extend(
+                lapsed
+                    .into_iter()
+                    .filter(|id| !copies.iter().any(|h| h.id == *id))
+                    .map(|id| (id, until)),
+            );
             confirmed.retain(|c| !copies.iter().any(|h| h.id == c.id));
             confirmed.extend(copies);
         }

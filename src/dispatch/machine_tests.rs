@@ -568,6 +568,46 @@ fn a_link_task_that_dies_reconnects_after_the_back_off() {
     assert!(matches!(r.commands()[..], [Command::Connect]));
 }
 
+/// helper-22: a claim running when the broker confirmed a record whose lease had run out
+/// took that record again under its own lease, and it was sent a second time; only a copy
+/// already held was removed instead. Now the claim's copy is removed too.
+#[test]
+fn a_confirmed_record_a_running_claim_takes_again_is_removed_not_sent() {
+    let mut r = Rig::up(Config::default());
+    assert!(r.reads(), "the first claim");
+    r.candidates(&[]);
+    assert!(r.takes());
+    let none = r.lease(60);
+    r.handle(Input::Claimed(Ok(claim_of(Vec::new(), none))));
+    r.hold(1, Duration::from_secs(30));
+    assert_eq!(r.publish().len(), 1);
+    r.handle(Input::Answered);
+    // A claim beside the answered wave reads the record and takes it.
+    r.handle(Input::Inserted);
+    assert!(r.reads());
+    r.candidates(&[1]);
+    assert!(r.takes());
+    // The lease runs out; the confirm comes; then the claim returns the record.
+    r.advance(Duration::from_secs(31));
+    r.sent(SendOutcome::Confirmed, OPEN);
+    let again = r.lease(60);
+    let copy = leased(1, r.server(), again);
+    r.handle(Input::Claimed(Ok(claim_of(vec![copy], again))));
+    let commands = r.commands();
+    assert!(
+        !commands
+            .iter()
+            .any(|c| matches!(c, Command::Publish { .. })),
+        "sent again: {commands:?}"
+    );
+    assert!(
+        commands.iter().any(|c| matches!(c,
+            Command::Settle(Settle::Remove { lease, records })
+                if lease.owner == again.owner && records.len() == 1)),
+        "removed under the claim's lease: {commands:?}"
+    );
+}
+
 /// An unconfirmed wave sets the hold-off while a claim runs; the claim then returns with
 /// more to take, or after a wake-up, or fails. None of these may claim (and publish the
 /// records just released) again before the hold-off ends.
