@@ -229,7 +229,11 @@ impl Settler {
     pub fn run(&self, work: Settle) -> impl Future<Output = ()> + Send + 'static {
         let settler = self.clone();
         let work = match work {
-            Settle::Remove { lease, records } => Ok(Unremoved { records, lease }),
+            Settle::Remove { lease, records } => Ok(Unremoved {
+                records,
+                lease,
+                health: self.health.clone(),
+            }),
             other => Err(other),
         };
         async move {
@@ -416,7 +420,7 @@ impl Settler {
                 biased;
                 removal = store.bounded("remove sent records", store.remove_held(&ids, owner)) => removal,
                 // The delete may still land on the server.
-                _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids),
+                _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids, &self.health),
             };
             // Tests only: the server applied the delete, but its answer was lost.
             #[cfg(feature = "failpoints")]
@@ -452,7 +456,7 @@ impl Settler {
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
                         _ = self.shutdown.cancelled(), if !stopping => {}
-                        _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids),
+                        _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids, &self.health),
                     }
                 }
             }
@@ -520,6 +524,7 @@ impl Settler {
 struct Unremoved {
     records: Vec<Leased>,
     lease: Lease,
+    health: std::sync::Arc<Health>,
 }
 
 impl Drop for Unremoved {
@@ -532,12 +537,17 @@ impl Drop for Unremoved {
             self.lease.owner,
             "removal of a sent record abandoned; it stays leased and may be sent again after the lease",
         );
-        // A task that panicked drops its future while it unwinds.
-        let cause = match std::thread::panicking() {
-            true => m::DUPLICATE_PANIC,
-            false => m::DUPLICATE_SHUTDOWN,
-        };
-        m::possible_duplicates(cause, self.records.len());
+        m::possible_duplicates(cut_short_by(&self.health), self.records.len());
+    }
+}
+
+/// Why a removal was cut short, as the possible duplicates' cause: `panic` when its own task
+/// panicked (it drops its future while it unwinds) or the dispatch loop did (the loop then
+/// stops and the drain cuts the rest short: one event, one cause), `shutdown` otherwise.
+fn cut_short_by(health: &Health) -> &'static str {
+    match std::thread::panicking() || health.failed_task() == Some("dispatch") {
+        true => m::DUPLICATE_PANIC,
+        false => m::DUPLICATE_SHUTDOWN,
     }
 }
 
@@ -557,8 +567,8 @@ fn sent_and_lost(n: usize) {
 
 /// A removal that the end of the shutdown's drain cut short: its records stay leased, unless
 /// a delete still lands, and may be sent again after the lease.
-fn unremoved_at_the_drains_end(owner: Uuid, ids: &[Bson]) {
-    m::possible_duplicates(m::DUPLICATE_SHUTDOWN, ids.len());
+fn unremoved_at_the_drains_end(owner: Uuid, ids: &[Bson], health: &Health) {
+    m::possible_duplicates(cut_short_by(health), ids.len());
     tracing::warn!(%owner, records = ids.len(), "removing sent records did not finish before the end of the shutdown's drain; they may stay leased and be sent again after the lease");
 }
 
@@ -702,6 +712,27 @@ pub(crate) mod tests {
         let text = metrics.render();
         let named = |l: &&str| l.starts_with(name);
         text.lines().filter(named).filter_map(value).sum()
+    }
+
+    /// helper-22: after the dispatch loop panicked, a removal the drain's end cut short
+    /// counted its records under cause `shutdown`, which the runbook sends to
+    /// `shutdown_timeout`, while those the machine still queued counted under `panic`.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_cut_short_after_the_loop_panicked_counts_under_panic() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let (_server, port) = silent_server();
+        let (settler, confirmed, lease) = stalled(port, Duration::from_secs(600), 2, HOUR).await;
+        settler.health.fail("dispatch");
+        removal_until_the_drain_ends(settler, confirmed, lease).await;
+        let handle = recorder.handle();
+        let cause = |c: &str| {
+            counter(
+                &handle,
+                &format!("timeoutd_possible_duplicates_total{{cause=\"{c}\"}}"),
+            )
+        };
+        assert_eq!((cause("panic"), cause("shutdown")), (2.0, 0.0));
     }
 
     /// A delete that removed fewer records than it was given is followed by a read that names
