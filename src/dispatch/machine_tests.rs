@@ -86,6 +86,22 @@ impl Rig {
         commands.iter().any(|c| matches!(c, Command::Take { .. }))
     }
 
+    /// How far a claim that starts now reads, if one starts.
+    fn read_ahead(&mut self) -> Option<Duration> {
+        self.commands().into_iter().find_map(|c| match c {
+            Command::Read { ahead, .. } => Some(ahead),
+            _ => None,
+        })
+    }
+
+    /// The claim running reads nothing and takes nothing.
+    fn nothing(&mut self) {
+        self.candidates(&[]);
+        assert!(self.takes());
+        let lease = self.lease(60);
+        self.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
+    }
+
     fn candidates(&mut self, ids: &[i32]) {
         let ids = ids.iter().map(|n| Bson::Int32(*n)).collect();
         self.handle(Input::Candidates(Ok(Candidates::of(ids))));
@@ -715,43 +731,32 @@ fn with_two_batches_held_a_claim_reads_only_what_is_due_before_them() {
     config.dispatch.batch_size = 1;
     config.dispatch.poll_interval = Duration::from_secs(1);
     let mut r = Rig::up(config);
-    let read_ahead = |r: &mut Rig| {
-        r.commands().into_iter().find_map(|c| match c {
-            Command::Read { ahead, .. } => Some(ahead),
-            _ => None,
-        })
-    };
     assert_eq!(
-        read_ahead(&mut r),
+        r.read_ahead(),
         Some(Duration::from_secs(2)),
         "the look-ahead"
     );
     let lease = r.lease(60);
-    let nothing = |r: &mut Rig| {
-        r.candidates(&[]);
-        assert!(r.takes());
-        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
-    };
-    nothing(&mut r);
+    r.nothing();
     let soon = DateTime::from_millis(r.server().timestamp_millis() + 1_500);
     for n in 0..2 {
         r.m.held.push(leased(n, soon, lease));
     }
     r.handle(Input::Inserted);
     assert_eq!(
-        read_ahead(&mut r),
+        r.read_ahead(),
         Some(Duration::from_millis(1_499)),
         "two batches held: only what is due before the soonest"
     );
-    nothing(&mut r);
+    r.nothing();
     r.m.held.push(leased(2, soon, lease));
     r.handle(Input::Inserted);
-    assert_eq!(read_ahead(&mut r), None, "three batches held: no claim");
+    assert_eq!(r.read_ahead(), None, "three batches held: no claim");
     let _ = r.m.held.take_matching(|h| h.id == Bson::Int32(2));
     r.advance(Duration::from_millis(1_499));
     r.handle(Input::Inserted);
     assert_eq!(
-        read_ahead(&mut r),
+        r.read_ahead(),
         None,
         "nothing is due before the soonest held"
     );
@@ -767,31 +772,20 @@ fn a_claim_cut_short_by_held_records_reads_on_once_they_go_out() {
     config.dispatch.batch_size = 1;
     config.dispatch.poll_interval = Duration::from_secs(1);
     let mut r = Rig::up(config);
-    let read_ahead = |r: &mut Rig| {
-        r.commands().into_iter().find_map(|c| match c {
-            Command::Read { ahead, .. } => Some(ahead),
-            _ => None,
-        })
-    };
     let lease = r.lease(60);
-    let nothing = |r: &mut Rig| {
-        r.candidates(&[]);
-        assert!(r.takes());
-        r.handle(Input::Claimed(Ok(claim_of(Vec::new(), lease))));
-    };
-    assert!(read_ahead(&mut r).is_some(), "the first claim");
-    nothing(&mut r);
+    assert!(r.read_ahead().is_some(), "the first claim");
+    r.nothing();
     let soon = DateTime::from_millis(r.server().timestamp_millis() + 500);
     let later = DateTime::from_millis(r.server().timestamp_millis() + 1_500);
     r.m.held.push(leased(0, soon, lease));
     r.m.held.push(leased(1, later, lease));
     r.handle(Input::Inserted);
     assert_eq!(
-        read_ahead(&mut r),
+        r.read_ahead(),
         Some(Duration::from_millis(499)),
         "cut short"
     );
-    nothing(&mut r);
+    r.nothing();
     // The soonest falls due and goes out: a claim reads on at once, not at the next poll.
     r.advance(Duration::from_millis(500));
     let commands = r.commands();
@@ -800,9 +794,9 @@ fn a_claim_cut_short_by_held_records_reads_on_once_they_go_out() {
             if messages.len() == 1 && *ahead == Duration::from_secs(2)),
         "the wave, then a claim of the whole look-ahead at once: {commands:?}"
     );
-    nothing(&mut r);
+    r.nothing();
     r.advance(Duration::from_millis(10));
-    assert_eq!(read_ahead(&mut r), None, "then at the poll interval again");
+    assert_eq!(r.read_ahead(), None, "then at the poll interval again");
 }
 
 /// A panic during the drain makes the driver say shutdown again: the drain's end stayed
