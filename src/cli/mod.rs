@@ -225,10 +225,7 @@ async fn with_store<T>(
     let store = Store::connect(&config.mongodb, ServerClock::default())
         .await?
         .with_settings(config);
-    let result = match store
-        .bounded("read the server clock", store.refresh_clock())
-        .await
-    {
+    let result = match store.refresh_clock().await {
         Ok(_) => action(&store).await,
         Err(e) => Err(anyhow::Error::new(e).context("cannot reach MongoDB")),
     };

@@ -160,11 +160,13 @@ pub fn command_error(code: i32, code_name: &str, message: &str) -> MongoError {
     }
 }
 
-/// What a test backend's function answers to one call: a result at once, or nothing ever
-/// (a call the server takes and never answers). A `Result` converts into `Now`.
+/// What a test backend's function answers to one call: a result at once or later, or nothing
+/// ever (a call the server takes and never answers). A `Result` converts into `Now`.
 #[cfg(test)]
 pub(crate) enum Answer<T> {
     Now(Result<T, MongoError>),
+    /// The result, once this much (virtual) time has passed: a slow server.
+    After(std::time::Duration, Result<T, MongoError>),
     Never,
 }
 
@@ -180,6 +182,10 @@ impl<T: Send + 'static> Answer<T> {
     fn future(self) -> BoxFuture<'static, Result<T, MongoError>> {
         match self {
             Self::Now(result) => Box::pin(async move { result }),
+            Self::After(wait, result) => Box::pin(async move {
+                tokio::time::sleep(wait).await;
+                result
+            }),
             Self::Never => Box::pin(futures::future::pending()),
         }
     }

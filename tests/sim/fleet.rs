@@ -405,12 +405,18 @@ impl Backend for Wire {
             return call;
         }
         // The checker learns when the instance's latest reading of the server clock was
-        // asked for (a step back after it is one the instance cannot see).
+        // asked for (a step back after it is one the instance cannot see); a `hello` given
+        // up on (its deadline dropped it) is one that failed.
         let world = self.world.clone();
         Box::pin(async move {
-            let sent = world.now_ms();
+            let mut hello = Hello {
+                sent: world.now_ms(),
+                world,
+                instance,
+                ok: None,
+            };
             let r = call.await;
-            world.checker().hello(instance, sent, r.is_ok());
+            hello.ok = Some(r.is_ok());
             r
         })
     }
@@ -1275,4 +1281,20 @@ pub fn counted_duplicates(rendered: &str) -> f64 {
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// One `hello` of an instance, told to the checker when it ends: answered or not, or given
+/// up on (dropped before its answer: a failure).
+struct Hello {
+    world: Arc<World>,
+    instance: usize,
+    sent: u64,
+    ok: Option<bool>,
+}
+
+impl Drop for Hello {
+    fn drop(&mut self) {
+        let ok = self.ok.unwrap_or(false);
+        self.world.checker().hello(self.instance, self.sent, ok);
+    }
 }

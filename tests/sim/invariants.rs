@@ -298,21 +298,22 @@ impl Checker {
         self.server_steps.push((at_ms, ms));
     }
 
-    /// A `hello` of `instance`, sent at `sent_ms`, answered (`ok`) or not. The daemon reads
-    /// the server clock with three in a row and keeps the one with the shortest round trip,
-    /// only when all three answered: so a reading is counted once three in a row answered, as
-    /// asked for when the first of them was sent (the earliest its sample can be from).
+    /// A `hello` of `instance`, sent at `sent_ms`, answered (`ok`) or not (failed, or given
+    /// up on). The daemon reads the server clock with up to three in a row, keeps the best
+    /// of those that answered, and stops at the first that does not: so a reading is counted
+    /// once three in a row answered, or at a failure after one answered, as asked for when
+    /// the first of them was sent (the earliest its sample can be from).
     pub fn hello(&mut self, instance: usize, sent_ms: u64, ok: bool) {
         let streak = self.hellos.entry(instance).or_default();
-        if !ok {
-            streak.clear();
+        if ok {
+            streak.push(sent_ms);
+        }
+        if ok && streak.len() < 3 {
             return;
         }
-        streak.push(sent_ms);
-        if streak.len() < 3 {
+        let Some(first) = streak.first().copied() else {
             return;
-        }
-        let first = streak[streak.len() - 3];
+        };
         streak.clear();
         let latest = self.clock_read.entry(instance).or_default();
         *latest = (*latest).max(first);
