@@ -16,8 +16,10 @@ use std::future::IntoFuture;
 use std::time::Duration;
 
 use bson::{Bson, DateTime, Document};
+use futures::future::BoxFuture;
 
 use crate::record::{DecodeError, Decoding, TimeoutRecord, field};
+use crate::store::backend::{MongoError, Written};
 use crate::store::lease::{self, Lease};
 use crate::store::paused_head::PausedHead;
 use crate::store::read_window::{self, ReadWindow};
@@ -106,17 +108,34 @@ pub struct Claim {
 /// The records a take may have leased and not yet handed over. Dropped before
 /// [`Unclaimed::handed_over`] (the take was dropped at an `.await` by its caller's deadline, or
 /// failed between the compare-and-swap and the read-back), it frees them, owner-guarded, in a
-/// task of its own: at once, rather than when the lease runs out, and again one
-/// `operation_timeout` later, when the abandoned compare-and-swap has ended on the server by
-/// [`crate::store::pacing`]'s rule: a release that reached the server before it matched
-/// nothing, and the records it then leased waited a whole lease.
+/// task of its own: at once, rather than when the lease runs out, and, if the take had not
+/// answered yet, again once it has (within a lease). The driver sends no `maxTimeMS` with an
+/// update ([`crate::store::pacing`]), so an abandoned compare-and-swap can land on the server
+/// any time after the release sent at once, and lease the records to an owner nobody holds
+/// for a whole lease; its answer is the one sign that it has landed. Before, the second
+/// release went one `operation_timeout` later, and a take slower than that still landed
+/// after it.
 struct Unclaimed {
     store: Store,
     ids: Vec<Bson>,
     owner: uuid::Uuid,
+    /// The take's compare-and-swap, until it answers.
+    take: Option<BoxFuture<'static, Result<Written, MongoError>>>,
+    /// How long the take's leases last: past that, a late take holds nothing.
+    lease_len: Duration,
 }
 
 impl Unclaimed {
+    /// The take's answer. Dropped before it, the take goes on in the release task.
+    async fn answer(&mut self) -> Result<Written, MongoError> {
+        let Some(take) = self.take.as_mut() else {
+            return Err(MongoError::custom("the take was already answered"));
+        };
+        let answer = take.await;
+        self.take = None;
+        answer
+    }
+
     /// The rows are the caller's now.
     fn handed_over(&mut self) {
         self.ids.clear();
@@ -128,23 +147,30 @@ impl Drop for Unclaimed {
         if self.ids.is_empty() {
             return;
         }
-        let (store, ids, owner) = (
+        let (store, ids, owner, take, lease_len) = (
             self.store.clone(),
             std::mem::take(&mut self.ids),
             self.owner,
+            self.take.take(),
+            self.lease_len,
         );
         // Without a runtime (the process is ending) the leases run out on their own.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         runtime.spawn(crate::host::inherit(async move {
-            for wait in [Duration::ZERO, store.operation_timeout()] {
-                tokio::time::sleep(wait).await;
+            let release = || async {
                 let release = store.bounded("release an unfinished claim", store.release_many(&ids, owner));
                 match release.await {
                     Ok(n) => tracing::debug!(%owner, released = n, "released the records of a claim that did not finish"),
                     Err(e) => tracing::warn!(%owner, error = %e, "could not release a claim that did not finish; its leases will expire"),
                 }
+            };
+            release().await;
+            if let Some(take) = take
+                && tokio::time::timeout(lease_len, take).await.is_ok()
+            {
+                release().await;
             }
         }));
     }
@@ -329,25 +355,21 @@ impl ClaimPath {
         let horizon = if all_due { expired_by } else { horizon };
         // From here until the rows are handed over, records may be leased to this owner: if
         // this future is dropped (its caller's deadline) or fails, they are freed at once.
+        let take = store.coll.update_many(
+            lease::except(
+                lease::claim_filter(expired_by, horizon, &shapes, &candidates),
+                &excluded,
+            ),
+            lease::claim_update(&lease, store.uuids),
+        );
         let mut unclaimed = Unclaimed {
             store: store.clone(),
             ids: candidates.clone(),
             owner: lease.owner,
+            take: Some(take.into_future()),
+            lease_len,
         };
-        let taken = Store::timed(
-            "claim",
-            store
-                .coll
-                .update_many(
-                    lease::except(
-                        lease::claim_filter(expired_by, horizon, &shapes, &candidates),
-                        &excluded,
-                    ),
-                    lease::claim_update(&lease, store.uuids),
-                )
-                .into_future(),
-        )
-        .await;
+        let taken = Store::timed("claim", unclaimed.answer()).await;
         // Tests only: a server slow to answer after it applied the claim.
         #[cfg(feature = "failpoints")]
         if let Some(Some(ms)) = fail::eval("claim-taken-delay", |arg| {
@@ -507,18 +529,22 @@ mod tests {
 
     /// A take given up on by its caller is released at once; its compare-and-swap may still
     /// land on the server after that release, leasing the records to an owner nobody holds,
-    /// for a whole lease. They are released again once it has surely ended.
+    /// for a whole lease. They are released again once it has answered, however late: the
+    /// driver sends updates no `maxTimeMS`. Before, the second release went one
+    /// `operation_timeout` after the first, and a take answering later still held them.
     #[tokio::test(start_paused = true)]
-    async fn a_take_given_up_on_is_released_again_once_it_has_surely_ended() {
-        // A server that never answers the take's compare-and-swap (it may apply it after the
-        // caller gave up, after the release sent then). Every operation is recorded.
-        let ops: Arc<Mutex<Vec<Op>>> = Arc::default();
+    async fn a_take_given_up_on_is_released_again_once_it_has_answered() {
+        // A server that answers the take's compare-and-swap after 30 s: it applied it then,
+        // after the release sent when the caller gave up. Every operation is recorded, with
+        // the instant it was asked for.
+        let ops: Arc<Mutex<Vec<(Op, tokio::time::Instant)>>> = Arc::default();
         let (asked, due) = (ops.clone(), record(-60_000));
+        let late = Duration::from_secs(30);
         let backend = Answering::new(move |op: Op| {
             asked
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(op.clone());
+                .push((op.clone(), tokio::time::Instant::now()));
             match op {
                 Op::Find { .. } => Answer::Now(Ok(Reply::Docs(vec![due.clone()]))),
                 Op::Update { update, .. }
@@ -526,7 +552,12 @@ mod tests {
                         .get_document("$set")
                         .is_ok_and(|s| s.get(field::LOCKED) == Some(&Bson::Boolean(true))) =>
                 {
-                    Answer::Never
+                    let taken = Written {
+                        matched: 1,
+                        modified: 1,
+                        ..Written::default()
+                    };
+                    Answer::After(late, Ok(Reply::Written(taken)))
                 }
                 _ => Answer::Now(Ok(Reply::Written(Written::default()))),
             }
@@ -538,15 +569,22 @@ mod tests {
             .candidates(10, Duration::ZERO, &[])
             .await
             .expect("read");
+        let started = tokio::time::Instant::now();
         let take = path.take(candidates, Duration::from_secs(300));
         let given_up = tokio::time::timeout(Duration::from_secs(1), take).await;
-        assert!(given_up.is_err(), "the take never answers");
-        tokio::time::sleep(config.operation_timeout + Duration::from_secs(1)).await;
+        assert!(
+            given_up.is_err(),
+            "the take answers after its caller gave up"
+        );
+        tokio::time::sleep(late + Duration::from_secs(1)).await;
         let ops = ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let asked: Vec<_> = ops.iter().map(|(op, _)| op.clone()).collect();
         assert_eq!(
-            names(&ops),
+            names(&asked),
             ["find", "updateMany", "updateMany", "updateMany"]
         );
+        let last = ops.last().map(|(_, at)| *at - started);
+        assert!(last >= Some(late), "the last release at {last:?}");
     }
 
     /// Every `LockExpiresAt` bound of `$lte` in `filter`: the instants at or before which it
