@@ -608,28 +608,27 @@ mod tests {
         bounds
     }
 
-    /// The server read its clock somewhere in a round trip of 10 s: the midpoint estimate is
-    /// 5 s ahead of the earliest the server's clock can read. A lease running out 2 s after
-    /// that earliest instant may still hold on the server, and its holder may be deleting the
-    /// record it sent: neither the read nor the compare-and-swap takes it for expired. Before,
-    /// both took leases for expired by the midpoint.
-    #[tokio::test(start_paused = true)]
-    async fn a_claim_takes_no_lease_the_server_may_still_hold() {
+    /// What the server's clock read in a reading whose round trip took 10 s: the midpoint
+    /// estimate is 5 s ahead of the earliest the server's clock can read.
+    const SLOW_READ: DateTime = DateTime::from_millis(1_767_225_600_000);
+
+    /// Claims `found` (what the due read returns; the take takes nothing) after a reading of
+    /// the server's clock at [`SLOW_READ`]; returns every operation the server was asked for.
+    async fn claim_after_a_slow_reading(found: Document) -> Vec<Op> {
         let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
         let ops = asked.clone();
         let backend = Answering::new(move |op: Op| {
             let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
             let reply = match &op {
-                Op::Find { .. } => Reply::Docs(vec![record(-60_000)]),
+                Op::Find { .. } => Reply::Docs(vec![found.clone()]),
                 _ => Reply::Written(Written::default()),
             };
             ops.push(op);
             Ok(reply)
         });
         let clock = ServerClock::default();
-        let server = DateTime::from_millis(1_767_225_600_000);
         let received = tokio::time::Instant::now();
-        clock.observe(server, received - Duration::from_secs(10), received);
+        clock.observe(SLOW_READ, received - Duration::from_secs(10), received);
         let store = Store::with_backend(Arc::new(backend), &MongoConfig::default(), clock);
         let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
         let candidates = path
@@ -639,8 +638,17 @@ mod tests {
         path.take(candidates, Duration::from_secs(60))
             .await
             .expect("take");
-        let still_held = lease::add(server, Duration::from_secs(2));
-        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        asked.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// After a reading whose round trip took 10 s, a lease running out 2 s after the earliest
+    /// the server's clock can read may still hold on the server, and its holder may be
+    /// deleting the record it sent: neither the read nor the compare-and-swap takes it for
+    /// expired. Before, both took leases for expired by the midpoint.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_takes_no_lease_the_server_may_still_hold() {
+        let ops = claim_after_a_slow_reading(record(-60_000)).await;
+        let still_held = lease::add(SLOW_READ, Duration::from_secs(2));
         assert_eq!(names(&ops), ["find", "updateMany"]);
         for op in &ops {
             let (Op::Find { filter, .. } | Op::Update { filter, .. }) = op else {
@@ -652,41 +660,17 @@ mod tests {
         }
     }
 
-    /// The server read its clock somewhere in a round trip of 10 s: the midpoint estimate is
-    /// 5 s ahead of the earliest the server's clock can read. Candidates read as due may have
-    /// been rescheduled since to an instant between the two: the take's compare-and-swap
-    /// takes none that is not due by that earliest instant. Before, its horizon was the
-    /// midpoint, and a rescheduled record went out before it was due on the server.
+    /// After a reading whose round trip took 10 s, candidates read as due may have been
+    /// rescheduled since to an instant between the earliest the server's clock can read and
+    /// the midpoint estimate: the take's compare-and-swap takes none that is not due by that
+    /// earliest instant. Before, its horizon was the midpoint, and a rescheduled record went
+    /// out before it was due on the server (the simulation's `early`, seed 1791).
     #[tokio::test(start_paused = true)]
     async fn a_take_takes_nothing_the_server_may_not_yet_have_due() {
-        let server = DateTime::from_millis(1_767_225_600_000);
         let mut due = record(0);
         due.insert(field::TIME, DateTime::from_millis(1_767_225_540_000));
-        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
-        let ops = asked.clone();
-        let backend = Answering::new(move |op: Op| {
-            let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
-            let reply = match &op {
-                Op::Find { .. } => Reply::Docs(vec![due.clone()]),
-                _ => Reply::Written(Written::default()),
-            };
-            ops.push(op);
-            Ok(reply)
-        });
-        let clock = ServerClock::default();
-        let received = tokio::time::Instant::now();
-        clock.observe(server, received - Duration::from_secs(10), received);
-        let store = Store::with_backend(Arc::new(backend), &MongoConfig::default(), clock);
-        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
-        let candidates = path
-            .candidates(10, Duration::ZERO, &[])
-            .await
-            .expect("read");
-        path.take(candidates, Duration::from_secs(60))
-            .await
-            .expect("take");
-        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        assert!(take_horizon(&ops) <= server, "{}", take_horizon(&ops));
+        let ops = claim_after_a_slow_reading(due).await;
+        assert!(take_horizon(&ops) <= SLOW_READ, "{}", take_horizon(&ops));
     }
 
     /// Every candidate due and every one taken: the rows are the documents read, under the
