@@ -21,10 +21,17 @@ loopback_users = none
 CONF
 : > "$DIR/nodes"
 used=" "
+# AMQP ports below the kernel's ephemeral range: a test stops and starts a node's app, which
+# frees and binds its AMQP port again, and a port in that range may meanwhile be given to an
+# outgoing connection (CI, 2026-11-28: start_app failed with eaddrinuse on port 34824). The
+# distribution port (AMQP + 20000) stays bound while the VM runs.
+low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+top=$(( low < 30000 ? low : 30000 ))
+(( top > 11000 )) || top=30000
 pick() {
   local p
   for _ in $(seq 1 200); do
-    p=$((20000 + RANDOM % 20000))
+    p=$((10000 + RANDOM % (top - 10000)))
     if [[ "$used" != *" $p "* ]] && free "$p" && free $((p + 20000)); then
       used="$used$p "
       echo "$p"
