@@ -243,10 +243,10 @@ impl ClaimPath {
         let shapes = self.current_shapes().await?;
         let store = &self.store;
         let now = store.clock.now();
-        // A lease is taken for expired by the earliest the server's clock can read: by the
-        // midpoint, one that still holds on the server (its holder deleting the record it
-        // sent) could be taken, and the record sent twice.
-        let expired_by = store.clock.earliest();
+        // The earliest the server's clock can read: a lease is taken for expired, and a record
+        // for due, by it. By the midpoint, a lease that still holds on the server (its holder
+        // deleting the record it sent) could be taken, and the record sent twice.
+        let earliest = store.clock.earliest();
         // While a backlog drains, read only about one batch past the last one, or a random
         // slice after meeting a racing instance (see `crate::store::read_window`).
         let slice = crate::host::random_range(0..read_window::SLICES as u64) as i64;
@@ -263,7 +263,7 @@ impl ClaimPath {
             store
                 .coll
                 .find(lease::due_within_except(
-                    expired_by,
+                    earliest,
                     from,
                     range.to,
                     std::slice::from_ref(shape),
@@ -295,7 +295,7 @@ impl ClaimPath {
         // Due by the earliest the server's clock can read, as the take judges it.
         let all_due = found
             .iter()
-            .all(|(due, _)| due.is_some_and(|due| due <= expired_by));
+            .all(|(due, _)| due.is_some_and(|due| due <= earliest));
         let found = found
             .into_iter()
             .map(|(_, d)| d)
@@ -330,8 +330,9 @@ impl ClaimPath {
         let found_count = found.len();
         let store = &self.store;
         let now = store.clock.now();
-        // Leases expired by the earliest the server's clock can read (see `candidates`).
-        let expired_by = store.clock.earliest();
+        // Leases expired and records due by the earliest the server's clock can read (see
+        // `candidates`).
+        let earliest = store.clock.earliest();
         let lease = Lease::new(now, lease_len);
         if found.is_empty() {
             return Ok(Claim {
@@ -352,12 +353,12 @@ impl ClaimPath {
         // as every "is it due?" is: by the midpoint, a record rescheduled to an instant
         // within half a round trip ahead was taken and sent before it was due on the server
         // (the simulation's `early`, seed 1791: 487 ms).
-        let horizon = if all_due { expired_by } else { horizon };
+        let horizon = if all_due { earliest } else { horizon };
         // From here until the rows are handed over, records may be leased to this owner: if
         // this future is dropped (its caller's deadline) or fails, they are freed at once.
         let take = store.coll.update_many(
             lease::except(
-                lease::claim_filter(expired_by, horizon, &shapes, &candidates),
+                lease::claim_filter(earliest, horizon, &shapes, &candidates),
                 &excluded,
             ),
             lease::claim_update(&lease, store.uuids),
