@@ -105,7 +105,9 @@ impl World {
             format!("{} {collection}: {summary}", op.name()),
         );
         if let Ok(reply) = reply {
-            self.checker().call(at, instance, collection, op, reply);
+            let server_ms = models::server_ms(&self.mongo);
+            self.checker()
+                .call((at, server_ms), instance, collection, op, reply);
         }
         if let (Op::Find { .. }, Ok(Reply::Docs(docs))) = (op, reply)
             && collection == self.timeouts
@@ -316,7 +318,7 @@ struct TakeInFlight {
 impl Drop for TakeInFlight {
     fn drop(&mut self) {
         if let Some(owner) = self.owner.take() {
-            let at = self.world.now_ms();
+            let at = (self.world.now_ms(), models::server_ms(&self.world.mongo));
             self.world.checker().take_unseen(self.instance, owner, at);
         }
     }
@@ -363,7 +365,8 @@ impl Backend for Wire {
             .then(|| leases_to(&op))
             .flatten();
         if collection == self.world.timeouts {
-            self.world.checker().asked(self.instance, &op);
+            let at = self.world.now_ms();
+            self.world.checker().asked(at, self.instance, &op);
         }
         let server = self.inner.run(collection, op.clone());
         let (world, instance, coll) = (self.world.clone(), self.instance, collection.to_string());
@@ -1295,6 +1298,9 @@ struct Hello {
 impl Drop for Hello {
     fn drop(&mut self) {
         let ok = self.ok.unwrap_or(false);
-        self.world.checker().hello(self.instance, self.sent, ok);
+        let ended = self.world.now_ms();
+        self.world
+            .checker()
+            .hello(self.instance, (self.sent, ended), ok);
     }
 }

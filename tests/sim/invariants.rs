@@ -30,8 +30,9 @@
 //! - `orphaned-lease`: a take (the compare-and-swap that leases records to a fresh owner)
 //!   whose answer the instance did not see succeed (dropped by a deadline or shutdown, or
 //!   failed) and that leased records is followed by the instance asking to free that owner's
-//!   records, unless it was killed (a dropped take must not leave records leased for a
-//!   lease);
+//!   records, after the take landed on the server if it landed while its lease held, unless
+//!   the instance was killed (a dropped take must not leave records leased for a lease; one
+//!   that lands after the release sent at once leases what that release could not free);
 //! - `hold-off`: a record whose publish the instance saw no answer to (its confirm was lost
 //!   with the link, or given up at the wave's deadline) is not published again by that
 //!   instance sooner than the back-off after unconfirmed waves allows: 100 ms doubling to
@@ -149,6 +150,14 @@ pub fn without_locks(doc: &Document) -> Document {
     d
 }
 
+/// The most virtual time between one `hello` of a clock reading answering and the next being
+/// sent (none passes: the reading sends it at once).
+const HELLO_GAP_MS: u64 = 10;
+
+/// How near its end (server clock) a lease may be when an instance stops waiting for the take
+/// that set it and still count as over: the server's clock drifts from the virtual one.
+const LEASE_OVER_SLACK_MS: i64 = 200;
+
 #[derive(Debug, Default)]
 pub struct Checker {
     records: HashMap<String, RecordInfo>,
@@ -169,17 +178,23 @@ pub struct Checker {
     /// When each instance sent the `hello` of its latest reading of the server clock
     /// (virtual ms).
     clock_read: HashMap<usize, u64>,
-    /// Each instance's answered `hello`s since its last reading (their sending instants).
+    /// Each instance's answered `hello`s since its last reading (their sending instants), and
+    /// when its last `hello` ended.
     hellos: HashMap<usize, Vec<u64>>,
+    hello_ended: HashMap<usize, u64>,
     /// Takes (a compare-and-swap that leased records to a fresh owner) whose answer the
     /// instance did not see succeed (the call was dropped, or failed): (instance, owner,
     /// virtual ms).
-    unseen_takes: Vec<(usize, String, u64)>,
+    /// virtual ms, server ms).
+    unseen_takes: Vec<(usize, String, u64, i64)>,
     /// Records each take's write leased, by owner (from the server's answer).
     leased_by: HashMap<String, u64>,
     /// (instance, owner) pairs of every release an instance asked for (whether or not it
-    /// reached the server).
-    releases: BTreeSet<(usize, String)>,
+    /// reached the server), with when it last asked (virtual ms).
+    releases: BTreeMap<(usize, String), u64>,
+    /// When each take that leased records landed on the server (virtual ms), and when its
+    /// lease ends (server ms), by owner, for takes whose lease was still live then.
+    landed: HashMap<String, (u64, i64)>,
     /// Parked records whose reason was checked.
     park_checked: BTreeSet<String>,
     /// Records seen parked and gone from Timeouts.
@@ -303,8 +318,17 @@ impl Checker {
     /// of those that answered, and stops at the first that does not: so a reading is counted
     /// once three in a row answered, or at a failure after one answered, as asked for when
     /// the first of them was sent (the earliest its sample can be from).
-    pub fn hello(&mut self, instance: usize, sent_ms: u64, ok: bool) {
+    pub fn hello(&mut self, instance: usize, (sent_ms, ended_ms): (u64, u64), ok: bool) {
+        let previous = self.hello_ended.insert(instance, ended_ms);
         let streak = self.hellos.entry(instance).or_default();
+        // A reading sends each `hello` as the one before answers: answered `hello`s not
+        // followed at once by another were no reading (start-up's deployment check asks one),
+        // and must not make the next reading look older than it is (seed 3456's shrunk
+        // scenario: a lone `hello` after a server clock step back, then a reading 17 s later
+        // counted from it, so the step looked seen by a publish before that reading ended).
+        if previous.is_some_and(|ended| sent_ms > ended + HELLO_GAP_MS) {
+            streak.clear();
+        }
         if ok {
             streak.push(sent_ms);
         }
@@ -364,14 +388,14 @@ impl Checker {
 
     /// `instance` did not see its take under `owner` succeed: it dropped the call or got an
     /// error. Whatever the server did, the instance must free what the take may have leased.
-    pub fn take_unseen(&mut self, instance: usize, owner: String, at_ms: u64) {
+    pub fn take_unseen(&mut self, instance: usize, owner: String, (at_ms, server_ms): (u64, i64)) {
         self.bump("takes-unseen");
-        self.unseen_takes.push((instance, owner, at_ms));
+        self.unseen_takes.push((instance, owner, at_ms, server_ms));
     }
 
     /// `instance` asks for `op` on `Timeouts` (before any fault decides its fate): a write
     /// that frees records (`Locked: false`) names the owners it frees in its filter.
-    pub fn asked(&mut self, instance: usize, op: &Op) {
+    pub fn asked(&mut self, at_ms: u64, instance: usize, op: &Op) {
         let (Op::Update { filter, update, .. } | Op::FindOneAndUpdate { filter, update, .. }) = op
         else {
             return;
@@ -385,7 +409,7 @@ impl Checker {
         let mut owners = Vec::new();
         binaries(&Bson::Document(filter.clone()), &mut owners);
         for owner in owners {
-            self.releases.insert((instance, owner));
+            self.releases.insert((instance, owner), at_ms);
         }
     }
 
@@ -421,7 +445,14 @@ impl Checker {
     }
 
     /// A call from `instance` to MongoDB and its answer.
-    pub fn call(&mut self, at_ms: u64, instance: usize, collection: &str, op: &Op, reply: &Reply) {
+    pub fn call(
+        &mut self,
+        (at_ms, server_ms): (u64, i64),
+        instance: usize,
+        collection: &str,
+        op: &Op,
+        reply: &Reply,
+    ) {
         if collection != self.timeouts {
             return;
         }
@@ -470,6 +501,15 @@ impl Checker {
                 {
                     if let Reply::Written(w) = reply {
                         *self.leased_by.entry(owner.clone()).or_default() += w.modified;
+                        let ends = fields
+                            .get_datetime("LockExpiresAt")
+                            .map(|e| e.timestamp_millis());
+                        if let Ok(ends) = ends
+                            && w.modified > 0
+                            && ends > server_ms
+                        {
+                            self.landed.insert(owner.clone(), (at_ms, ends));
+                        }
                     }
                     self.owners.entry(owner).or_insert(instance);
                 }
@@ -767,18 +807,33 @@ impl Checker {
         }
         self.fail_all(at_ms, "not-done", "record(s) not done", &failures);
         // Orphaned leases: a take the instance did not see succeed, which leased records, and
-        // which the instance never asked to free (a second before the end at the latest, so
-        // that a release started by the shutdown's last drop has had its turn).
+        // which the instance never asked to free after it landed, while its lease held (a
+        // second before the end at the latest, so that a release started by the shutdown's
+        // last drop has had its turn). A release asked before the take landed matched
+        // nothing of what it leased.
         let orphaned: Vec<String> = self
             .unseen_takes
             .iter()
-            .filter(|(instance, owner, at)| {
+            .filter(|(instance, owner, at, server_at)| {
+                let released = self.releases.get(&(*instance, owner.clone()));
+                let unfreed = match self.landed.get(owner) {
+                    // Landed while the instance still waited, or before, with time left on
+                    // its lease: a release must follow the landing.
+                    Some((landed, ends)) if *ends > server_at + LEASE_OVER_SLACK_MS => {
+                        released.is_none_or(|asked| asked < landed)
+                    }
+                    // Its lease was over when the instance stopped waiting for it.
+                    Some(_) => false,
+                    None => released.is_none(),
+                };
                 !self.killed.contains(instance)
                     && *at + 1_000 <= at_ms
                     && self.leased_by.get(owner).is_some_and(|n| *n > 0)
-                    && !self.releases.contains(&(*instance, owner.clone()))
+                    && unfreed
             })
-            .map(|(instance, owner, at)| format!("instance {instance}, owner {owner}, at {at} ms"))
+            .map(|(instance, owner, at, _)| {
+                format!("instance {instance}, owner {owner}, at {at} ms")
+            })
             .collect();
         self.fail_all(
             at_ms,

@@ -4,6 +4,7 @@
 //! `tests/sim/regressions/` and replayed by the test.
 
 use serde::{Deserialize, Serialize};
+use timeoutd::store::clock::MAX_DRIFT_PPM;
 
 /// A small deterministic generator (splitmix64): the scenario depends on the seed only.
 #[derive(Debug, Clone)]
@@ -270,7 +271,10 @@ impl Scenario {
             mongo_p_lose_reply: *d.pick(&[0.0, 0.0, 0.01, 0.05]),
             mongo_p_error: *d.pick(&[0.0, 0.0, 0.01, 0.03]),
             mongo_p_stall: *d.pick(&[0.0, 0.0, 0.0, 0.01]),
-            server_drift_ppm: *d.pick(&[0, 0, 0, 100, -100, 2_000]),
+            // A server clock slower than this host's by as much as timeoutd allows for
+            // (`MAX_DRIFT_PPM`, which `ServerClock::earliest` widens by): the edge of what it
+            // must hold. Faster clocks are bounded by the lease margin instead.
+            server_drift_ppm: *d.pick(&[0, 0, 0, 100, -MAX_DRIFT_PPM, 2_000]),
             rabbit_ack_multiple: *d.pick(&[0.0, 0.3, 0.8]),
             rabbit_nack_rate: *d.pick(&[0.0, 0.0, 0.0, 0.02]),
             node_frame_max: Vec::new(),
@@ -363,7 +367,7 @@ impl Scenario {
                         // A server clock step smaller than the margin: a larger one breaks
                         // any lease on the server's clock, whatever the client does.
                         "clock_step" => d.range(0, margin_ms) as i64 - (margin_ms / 2) as i64,
-                        "drift" => *d.pick(&[-500, 500, 5_000]),
+                        "drift" => *d.pick(&[-MAX_DRIFT_PPM, 500, 5_000]),
                         _ => 0,
                     };
                     FaultKind::MongoModel {
