@@ -178,13 +178,12 @@ pub struct Checker {
     /// When each instance sent the `hello` of its latest reading of the server clock
     /// (virtual ms).
     clock_read: HashMap<usize, u64>,
-    /// Each instance's answered `hello`s since its last reading (their sending instants), and
-    /// when its last `hello` ended.
+    /// Each instance's answered `hello`s since its last reading (their sending instants).
     hellos: HashMap<usize, Vec<u64>>,
+    /// When each instance's last `hello` answered or failed (virtual ms).
     hello_ended: HashMap<usize, u64>,
     /// Takes (a compare-and-swap that leased records to a fresh owner) whose answer the
     /// instance did not see succeed (the call was dropped, or failed): (instance, owner,
-    /// virtual ms).
     /// virtual ms, server ms).
     unseen_takes: Vec<(usize, String, u64, i64)>,
     /// Records each take's write leased, by owner (from the server's answer).
@@ -393,8 +392,8 @@ impl Checker {
         self.unseen_takes.push((instance, owner, at_ms, server_ms));
     }
 
-    /// `instance` asks for `op` on `Timeouts` (before any fault decides its fate): a write
-    /// that frees records (`Locked: false`) names the owners it frees in its filter.
+    /// `instance` asks for `op` on `Timeouts` at `at_ms` (before any fault decides its fate): a
+    /// write that frees records (`Locked: false`) names the owners it frees in its filter.
     pub fn asked(&mut self, at_ms: u64, instance: usize, op: &Op) {
         let (Op::Update { filter, update, .. } | Op::FindOneAndUpdate { filter, update, .. }) = op
         else {
