@@ -2,7 +2,7 @@
 //! [`TimeoutRecord`], and the .NET `DateTimeOffset` tick arithmetic of its `Time` field.
 //!
 //! Decoding never panics: anything unexpected becomes a [`DecodeError`] naming the field, and
-//! the record is left for a later poll (or parked, once parking exists).
+//! the dispatch loop parks the record with that reason (`crate::store::parking`).
 
 pub mod due;
 pub mod guid;
@@ -41,11 +41,12 @@ pub fn ms_to_ticks(unix_ms: i64) -> i64 {
         .saturating_add(UNIX_EPOCH_TICKS)
 }
 
-/// .NET ticks to Unix milliseconds (rounded down).
+/// .NET ticks to Unix milliseconds, rounded up: .NET writes `Time` to 100 ns, and a due
+/// instant read a fraction of a millisecond early would let the record go out that early.
 pub fn ticks_to_ms(ticks: i64) -> i64 {
-    ticks
-        .saturating_sub(UNIX_EPOCH_TICKS)
-        .div_euclid(TICKS_PER_MS)
+    let since_epoch = ticks.saturating_sub(UNIX_EPOCH_TICKS);
+    let part = i64::from(since_epoch.rem_euclid(TICKS_PER_MS) != 0);
+    since_epoch.div_euclid(TICKS_PER_MS) + part
 }
 
 /// The BSON value of `Time` for a due instant, in the given encoding (see [`due::encode`]).
@@ -230,6 +231,17 @@ mod tests {
         assert_eq!(ms_to_ticks(ms), 639_028_224_000_000_000);
         assert_eq!(ticks_to_ms(639_028_224_000_000_000), ms);
         assert_eq!(ticks_to_ms(ms_to_ticks(-1)), -1);
+    }
+
+    #[test]
+    fn ticks_between_milliseconds_are_due_at_the_next_one() {
+        // .NET's `DateTimeOffset.UtcNow` has 100 ns ticks: 0.0001 ms past a millisecond is
+        // not due at that millisecond.
+        let ms = 1_767_225_600_000;
+        assert_eq!(ticks_to_ms(ms_to_ticks(ms) + 1), ms + 1);
+        assert_eq!(ticks_to_ms(ms_to_ticks(ms) + 9_999), ms + 1);
+        assert_eq!(ticks_to_ms(ms_to_ticks(-1) + 1), 0);
+        assert_eq!(ticks_to_ms(i64::MAX), ticks_to_ms(i64::MAX - 1));
     }
 
     fn v7_doc() -> Document {
