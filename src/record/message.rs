@@ -8,7 +8,6 @@ use bson::Bson;
 use bson::spec::BinarySubtype;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use uuid::Uuid;
 
 use crate::config::{MessageIdMode, RabbitConfig};
 use crate::record::TimeoutRecord;
@@ -102,9 +101,10 @@ pub fn header_value_string(value: &Bson) -> Option<String> {
             "base64:{}",
             base64::engine::general_purpose::STANDARD.encode(&b.bytes)
         )),
-        Bson::Binary(b) if b.subtype == BinarySubtype::Uuid => Uuid::from_slice(&b.bytes)
-            .ok()
-            .map(|u| u.hyphenated().to_string()),
+        // A GUID in either form a C# driver stores (subtype 4, or 3 in .NET's byte order).
+        Bson::Binary(_) => {
+            crate::record::guid::from_bson(value).map(|u| u.hyphenated().to_string())
+        }
         Bson::DateTime(d) => format_dotnet_utc(i128::from(d.timestamp_millis()) * 1_000_000),
         _ => None,
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use bson::spec::BinarySubtype;
 use bson::{Bson, DateTime, doc};
 use lapin::types::AMQPValue;
-use timeoutd::config::{MessageIdMode, RabbitConfig};
+use timeoutd::config::{MessageIdMode, RabbitConfig, UuidRepresentation};
 use timeoutd::record::TimeoutRecord;
 use timeoutd::record::message::*;
 use uuid::Uuid;
@@ -25,6 +25,10 @@ fn header(m: &OutgoingMessage, k: &str) -> Option<String> {
         })
 }
 
+fn saga() -> Uuid {
+    Uuid::parse_str("00112233-4455-6677-8899-aabbccddeeff").unwrap()
+}
+
 fn record() -> TimeoutRecord {
     TimeoutRecord {
         id: Uuid::parse_str("11111111-2222-4333-8444-555555555555").unwrap(),
@@ -39,6 +43,9 @@ fn record() -> TimeoutRecord {
             "Raw": bson::Binary { subtype: BinarySubtype::Generic, bytes: b"hi".to_vec() },
             "Nothing": Bson::Null,
             "Weird": [1, 2],
+            // A Guid header as each C# driver stores it: standard, and legacy (.NET byte order).
+            "Saga": timeoutd::record::guid::to_bson(saga(), UuidRepresentation::Standard),
+            "LegacySaga": timeoutd::record::guid::to_bson(saga(), UuidRepresentation::CsharpLegacy),
         },
     }
 }
@@ -79,6 +86,11 @@ fn body_and_fixed_headers_match_v7() {
     assert_eq!(header(&m, "Raw").unwrap(), "base64:aGk=");
     assert_eq!(header(&m, "Nothing").unwrap(), "");
     assert_eq!(header(&m, "Weird"), None);
+    assert_eq!(header(&m, "Saga").unwrap(), saga().hyphenated().to_string());
+    assert_eq!(
+        header(&m, "LegacySaga").unwrap(),
+        saga().hyphenated().to_string()
+    );
     assert_eq!(
         header(&m, "TimeoutId").unwrap(),
         "11111111-2222-4333-8444-555555555555"
