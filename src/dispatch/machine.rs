@@ -643,7 +643,7 @@ impl Machine {
     }
 
     /// The wait of a gated claim is over: it takes its candidates (`take`), or takes nothing
-    /// (the wave ended unanswered, or shutdown). A claim still reading learns it too.
+    /// (the wave ended unanswered, or shutdown, or a hold-off after unconfirmed publishes runs). A claim still reading learns it too.
     fn end_gate(&mut self, take: bool, at: Instant) {
         match std::mem::replace(&mut self.claims.step, Step::Idle) {
             Step::Reading {
@@ -658,7 +658,7 @@ impl Machine {
                 started,
                 spent,
                 candidates,
-            } if take => self.take(started, spent, candidates, at),
+            } if take && at >= self.claims.not_before => self.take(started, spent, candidates, at),
             Step::Gated {
                 started,
                 candidates,
@@ -828,7 +828,6 @@ impl Machine {
         // A wave answered and ended by the same confirm (one message) may end before the
         // driver passed its first answer on: an answer among its outcomes counts.
         let answered = wave.answered || outcomes.iter().any(SendOutcome::is_answer);
-        self.end_gate(answered, now.at);
         let took = now.at.saturating_duration_since(wave.started);
         m::publish_confirm(took);
         self.health.set_up(m::RABBITMQ, open.is_some());
@@ -923,6 +922,8 @@ impl Machine {
         } else if any_confirmed {
             self.claims.unconfirmed.reset();
         }
+        // Last: a hold-off this wave set keeps a gated claim from taking.
+        self.end_gate(answered, now.at);
     }
 
     /// Publishes of `ids` went unanswered (given up at the wave's deadline, lost with the

@@ -499,6 +499,32 @@ fn candidates_read_back_during_the_hold_off_are_not_taken() {
     assert!(r.reads(), "claims again after the hold-off");
 }
 
+/// Found in review: a gated claim took its candidates when the wave it waited on ended,
+/// before that same wave's unanswered records set the hold-off, so its compare-and-swap
+/// leased records only for `on_claimed` to release them again (counted as claimed and
+/// released `publish_failed` though never sent, and hidden from other instances meanwhile).
+/// A wave that ends partly unanswered lets a gated claim take nothing.
+#[test]
+fn a_gated_claim_takes_nothing_when_its_wave_ends_partly_unanswered() {
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(60));
+    r.hold(2, Duration::from_secs(60));
+    let commands = r.commands();
+    let started = matches!(
+        commands[..],
+        [Command::Publish { .. }, Command::Read { .. }]
+    );
+    assert!(started, "{commands:?}");
+    r.candidates(&[3]);
+    let outcomes = vec![SendOutcome::Confirmed, SendOutcome::TimedOut];
+    r.handle(Input::WaveSent {
+        outcomes,
+        open: OPEN,
+    });
+    assert!(!r.takes(), "took during the hold-off its own wave set");
+    assert!(r.m.claims.next_at() > r.at, "the hold-off holds");
+}
+
 /// A claim task that dies (panics) while it reads is reported as a failed claim: the
 /// claims go on after the back-off (a read that died left the claim stuck for good). It says
 /// nothing of MongoDB: `/readyz` does not blame the database for timeoutd's own fault.
