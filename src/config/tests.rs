@@ -153,10 +153,19 @@ fn each_rule_names_its_key() {
         ("[history]\nkeep = \"500ms\"", "history.keep"),
         ("[history]\nkeep = \"100years\"", "history.keep"),
         ("[history]\nbogus = 1", "history.bogus"),
-        // Durations that parse but whose sum (the lease check) overflows: an error, no panic.
+        // Durations that parse but that no instant can be that far ahead of: an error, never a
+        // panic when a deadline is worked out from one.
         (
-            "[dispatch]\npoll_interval = \"500000000000years\"",
-            "dispatch.lock_lease",
+            "[mongodb]\noperation_timeout = \"300000000000years\"",
+            "mongodb.operation_timeout",
+        ),
+        (
+            "[dispatch]\nshutdown_timeout = \"366days\"",
+            "dispatch.shutdown_timeout",
+        ),
+        (
+            "[reaper]\ninterval = \"500000000000years\"",
+            "reaper.interval",
         ),
         ("[log]\nlevel = \"timeoutd=loud\"", "log.level"),
         ("[http]\nlisten = \"127.0.0.1:99999\"", "http.listen"),

@@ -41,6 +41,9 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// The longest duration any setting but `history.keep` may have.
+pub const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
+
 impl Problem {
     pub(super) fn new(key: &str, message: impl Into<String>) -> Self {
         Self {
@@ -79,6 +82,34 @@ impl Config {
         ] {
             if value.is_zero() {
                 bad(key, "must be greater than zero");
+            }
+        }
+        // Durations that parse can be absurd (`300000000000years`), and an instant that far
+        // ahead is past what the clock can hold: refused here, never a panic at run time.
+        for (key, value) in [
+            ("dispatch.poll_interval", Some(d.poll_interval)),
+            ("dispatch.lock_lease", Some(d.lock_lease)),
+            ("dispatch.lease_safety_margin", Some(d.lease_safety_margin)),
+            ("dispatch.shutdown_timeout", Some(d.shutdown_timeout)),
+            ("dispatch.look_ahead", d.look_ahead),
+            (
+                "rabbitmq.publish_timeout",
+                Some(self.rabbitmq.publish_timeout),
+            ),
+            (
+                "rabbitmq.connect_timeout",
+                Some(self.rabbitmq.connect_timeout),
+            ),
+            (
+                "mongodb.operation_timeout",
+                Some(self.mongodb.operation_timeout),
+            ),
+            ("retry.base", Some(self.retry.base)),
+            ("retry.cap", Some(self.retry.cap)),
+            ("reaper.interval", self.reaper.interval),
+        ] {
+            if value.is_some_and(|v| v > LONGEST) {
+                bad(key, "must be at most 1 year");
             }
         }
         if d.batch_size == 0 {
