@@ -253,7 +253,8 @@ impl ClaimPath {
         let range = self.window.range(lease::add(now, look_ahead), slice);
         // Past the due records of the destinations left out, when a read from the start
         // found where the others begin (see `crate::store::paused_head`).
-        let from = match (range.from, self.head.start(excluded)) {
+        let (head, began) = self.head.start(excluded);
+        let from = match (range.from, head) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
@@ -287,8 +288,9 @@ impl ClaimPath {
             .iter()
             .map(|(due, _)| due.unwrap_or(range.to))
             .collect();
+        let first = dues.first().copied();
         self.head
-            .update(excluded, from, now, dues.first().copied(), range.to);
+            .update((excluded, began), from, now, first, range.to);
         let more = self
             .window
             .update(&range, &dues, found.len() >= batch_size as usize);

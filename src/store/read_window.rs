@@ -43,7 +43,7 @@ struct Bound {
     span: i64,
 }
 
-/// The read window of one instance's claims. Shared by the clones of a store.
+/// The read window of one instance's claims, kept by its claim path ([`crate::store::claim::ClaimPath`]).
 #[derive(Debug, Default)]
 pub struct ReadWindow(Mutex<State>);
 
