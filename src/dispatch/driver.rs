@@ -19,6 +19,8 @@ use std::time::Duration;
 use tokio::task::{Id, JoinSet};
 use tokio::time::Instant;
 
+use bson::Bson;
+
 use tokio_util::sync::CancellationToken;
 
 use super::machine::{Command, Input, Machine, Now};
@@ -50,6 +52,8 @@ enum Done {
         refused: Option<String>,
         /// The work released records.
         released: bool,
+        /// Sent records a removal left when their lease ran out.
+        lapsed: Vec<Bson>,
     },
 }
 
@@ -61,21 +65,23 @@ struct WaveTokens {
 }
 
 /// Which task an id is, for one that panicked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 enum Role {
     Claim,
     Link,
-    /// Settling work of this many records.
+    /// Settling work of this many records; a removal's, of the records `removing`.
     Settle {
         records: usize,
+        removing: Vec<Bson>,
     },
 }
 
-/// The records a task of `role` settles (none, for a task that does not settle).
-fn settles(role: Option<Role>) -> usize {
+/// The records a task of `role` settles, and those it removes (none, for a task that does
+/// not settle).
+fn settles(role: Option<Role>) -> (usize, Vec<Bson>) {
     match role {
-        Some(Role::Settle { records }) => records,
-        _ => 0,
+        Some(Role::Settle { records, removing }) => (records, removing),
+        _ => (0, Vec::new()),
     }
 }
 
@@ -318,9 +324,13 @@ impl Dispatcher {
                             "settling panicked; its records come back when their lease expires"
                         );
                         self.claims.released();
+                        // A removal that died may have left every record it had.
+                        let (records, removing) = settles(role);
                         Input::Settled {
-                            records: settles(role),
+                            records,
                             refused: None,
+                            lapsed: removing.clone(),
+                            removing,
                         }
                     }
                 };
@@ -340,13 +350,20 @@ impl Dispatcher {
                 self.wave = None;
                 Input::WaveSent { outcomes, open }
             }
-            Done::Settled { refused, released } => {
+            Done::Settled {
+                refused,
+                released,
+                lapsed,
+            } => {
                 if released {
                     self.claims.released();
                 }
+                let (records, removing) = settles(role);
                 Input::Settled {
-                    records: settles(role),
+                    records,
                     refused,
+                    removing,
+                    lapsed,
                 }
             }
         }
@@ -429,10 +446,18 @@ impl Dispatcher {
         // A refused send may be released for a retry too.
         let released = matches!(work, Settle::Release { .. } | Settle::Refused { .. });
         let records = work.records();
+        let removing = match &work {
+            Settle::Remove { records, .. } => records.iter().map(|r| r.id.clone()).collect(),
+            _ => Vec::new(),
+        };
         let settling = self.settler.run(work);
-        self.spawn(Role::Settle { records }, async move {
-            settling.await;
-            Done::Settled { refused, released }
+        self.spawn(Role::Settle { records, removing }, async move {
+            let lapsed = settling.await;
+            Done::Settled {
+                refused,
+                released,
+                lapsed,
+            }
         });
     }
 

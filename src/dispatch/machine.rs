@@ -88,10 +88,13 @@ pub enum Input {
     /// A claim's take came back.
     Claimed(Result<Claim, StoreError>),
     /// Settling work of `records` records ended; `refused`: the destination of a refused
-    /// send it retried or parked.
+    /// send it retried or parked. A removal's: the records it was `removing`, and those it
+    /// left `lapsed`, their lease over first (delivered all the same).
     Settled {
         records: usize,
         refused: Option<String>,
+        removing: Vec<Bson>,
+        lapsed: Vec<Bson>,
     },
     /// Time passed (a deadline of [`Machine::poll_timeout`], or the heartbeat).
     Timeout,
@@ -165,6 +168,8 @@ pub struct Wave {
 struct Settling {
     tasks: usize,
     records: usize,
+    /// The records of the removals running: confirmed, not yet removed.
+    removing: Vec<Bson>,
 }
 
 /// The dispatch core's state. One per process.
@@ -178,10 +183,11 @@ pub struct Machine {
     blocked: bool,
     claims: Claims,
     held: Held,
-    /// Records the broker confirmed after their lease may have run out, with no copy held
-    /// then, each until a lease later: a claim of this instance that takes one again
-    /// (it was running then, or started before the removal) removes it under its own lease
-    /// instead of sending it again.
+    /// Records the broker confirmed that may be left in the collection: confirmed after
+    /// their lease may have run out with no copy held then, or left by a removal that ran
+    /// out of lease; each until a lease later. A claim of this instance that takes one again
+    /// (or one a removal still has, [`Settling::removing`] and [`SettleQueue::removes`])
+    /// removes it under its own lease instead of sending it again.
     delivered: Vec<(Bson, Instant)>,
     settle: SettleQueue,
     settling: Settling,
@@ -394,9 +400,22 @@ impl Machine {
             }
             Input::Candidates(Ok(candidates)) => self.on_candidates(candidates, now),
             Input::Claimed(Ok(claim)) => self.on_claimed(claim, now),
-            Input::Settled { records, refused } => {
+            Input::Settled {
+                records,
+                refused,
+                removing,
+                lapsed,
+            } => {
                 self.settling.tasks = self.settling.tasks.saturating_sub(1);
                 self.settling.records = self.settling.records.saturating_sub(records);
+                for id in &removing {
+                    if let Some(i) = self.settling.removing.iter().position(|r| r == id) {
+                        self.settling.removing.swap_remove(i);
+                    }
+                }
+                let until = now.at + self.config.dispatch.lock_lease;
+                self.delivered
+                    .extend(lapsed.into_iter().map(|id| (id, until)));
                 self.control.leave_out(refused, now.at);
             }
             Input::Timeout => {}
@@ -510,6 +529,10 @@ impl Machine {
         let work = self.settle.pop()?;
         self.settling.tasks += 1;
         self.settling.records += work.records();
+        if let Settle::Remove { records, .. } = &work {
+            let ids = records.iter().map(|r| r.id.clone());
+            self.settling.removing.extend(ids);
+        }
         Some(work)
     }
 
@@ -725,12 +748,17 @@ impl Machine {
                         record,
                         lease,
                     };
-                    match self.delivered.iter().position(|(id, _)| *id == leased.id) {
-                        Some(i) => {
-                            self.delivered.swap_remove(i);
-                            again.push(leased);
-                        }
-                        None => self.held.push(leased),
+                    let delivered = self.delivered.iter().position(|(id, _)| *id == leased.id);
+                    if let Some(i) = delivered {
+                        self.delivered.swap_remove(i);
+                    }
+                    if delivered.is_some()
+                        || self.settling.removing.contains(&leased.id)
+                        || self.settle.removes(&leased.id)
+                    {
+                        again.push(leased);
+                    } else {
+                        self.held.push(leased);
                     }
                 }
                 Err(why) => self.park(row.id, row.raw, String::new(), lease, why),

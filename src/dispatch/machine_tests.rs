@@ -199,6 +199,8 @@ fn one_record_from_claim_to_removal() {
     r.handle(Input::Settled {
         records: 1,
         refused: None,
+        removing: Vec::new(),
+        lapsed: Vec::new(),
     });
     assert_eq!(r.m.leases_held(), 0);
 }
@@ -227,12 +229,16 @@ fn records_count_as_held_until_their_settling_ends() {
     r.handle(Input::Settled {
         records: 2,
         refused: None,
+        removing: Vec::new(),
+        lapsed: Vec::new(),
     });
     assert_eq!(r.m.leases_held(), 1);
     let refused = Some("timeoutd-test-dispatch-unit".into());
     r.handle(Input::Settled {
         records: 1,
         refused,
+        removing: Vec::new(),
+        lapsed: Vec::new(),
     });
     assert_eq!(r.m.leases_held(), 0);
 }
@@ -353,6 +359,8 @@ fn a_destination_that_refuses_sends_is_left_out_of_claims_for_a_while() {
     r.handle(Input::Settled {
         records: 1,
         refused,
+        removing: Vec::new(),
+        lapsed: Vec::new(),
     });
     r.advance(Duration::from_millis(2));
     assert_eq!(
@@ -648,6 +656,64 @@ fn a_confirmed_record_a_running_claim_takes_again_is_removed_not_sent() {
                 if lease.owner == again.owner && records.len() == 1)),
         "removed under the claim's lease: {commands:?}"
     );
+}
+
+/// Found in review: a record confirmed while its lease held, whose removal then failed
+/// until the lease ran out (a slow or failing MongoDB), was taken again by a claim of the
+/// same instance and sent a second time: only records confirmed after their lease had run
+/// out were known as delivered. A claim that takes a record a removal still has, or one a
+/// removal left when its lease ran out, removes it under its own lease.
+#[test]
+fn a_record_whose_removal_outlived_its_lease_is_removed_not_sent_again() {
+    for removal in ["queued", "running", "gave up"] {
+        let mut r = Rig::up(Config::default());
+        r.hold(1, Duration::from_secs(10));
+        assert_eq!(r.publish().len(), 1);
+        if removal == "queued" {
+            // Every settling slot is busy: the removal waits.
+            r.m.settling.tasks = MAX_SETTLING;
+        }
+        r.sent(SendOutcome::Confirmed, OPEN);
+        let commands = r.commands();
+        let handed_out = commands
+            .iter()
+            .any(|c| matches!(c, Command::Settle(Settle::Remove { .. })));
+        assert_eq!(handed_out, removal != "queued", "{removal}: {commands:?}");
+        if removal == "gave up" {
+            r.advance(Duration::from_secs(11));
+            r.handle(Input::Settled {
+                records: 1,
+                refused: None,
+                removing: vec![Bson::Int32(1)],
+                lapsed: vec![Bson::Int32(1)],
+            });
+        }
+        r.advance(Duration::from_secs(11));
+        r.m.claims.step = Step::Idle;
+        r.m.claims.next_at = r.at;
+        assert!(r.reads(), "{removal}");
+        r.candidates(&[1]);
+        assert!(r.takes(), "{removal}");
+        let again = r.lease(60);
+        let copy = leased(1, r.server(), again);
+        r.handle(Input::Claimed(Ok(claim_of(vec![copy], again))));
+        if removal == "queued" {
+            r.m.settling.tasks = 0;
+        }
+        let commands = r.commands();
+        assert!(
+            !commands
+                .iter()
+                .any(|c| matches!(c, Command::Publish { .. })),
+            "{removal}: sent again: {commands:?}"
+        );
+        assert!(
+            commands.iter().any(|c| matches!(c,
+                Command::Settle(Settle::Remove { lease, records })
+                    if lease.owner == again.owner && records.len() == 1)),
+            "{removal}: not removed under the claim's lease: {commands:?}"
+        );
+    }
 }
 
 /// An unconfirmed wave sets the hold-off while a claim runs; the claim then returns with

@@ -155,6 +155,14 @@ impl SettleQueue {
         self.work.iter()
     }
 
+    /// Whether a removal waiting here has record `id`.
+    pub fn removes(&self, id: &Bson) -> bool {
+        self.work.iter().any(|w| match w {
+            Settle::Remove { records, .. } => records.iter().any(|r| r.id == *id),
+            _ => false,
+        })
+    }
+
     /// Confirmed records waiting for a removal: left leased if the machine is dropped.
     pub fn unremoved(&self) -> usize {
         let removal = |w: &Settle| matches!(w, Settle::Remove { .. }).then(|| w.records());
@@ -226,7 +234,9 @@ impl Settler {
     /// Runs `work`; parked records go to history when it is on. A removal's records count as
     /// possible duplicates if it is dropped unfinished from the moment it is handed out, not
     /// from its task's first poll: a task aborted before it ran left them leased all the same.
-    pub fn run(&self, work: Settle) -> impl Future<Output = ()> + Send + 'static {
+    /// Returns the ids of sent records a removal left in the collection when their lease ran
+    /// out: a claim of this instance that takes one again removes it, not sends it.
+    pub fn run(&self, work: Settle) -> impl Future<Output = Vec<Bson>> + Send + 'static {
         let settler = self.clone();
         let work = match work {
             Settle::Remove { lease, records } => Ok(Unremoved {
@@ -238,7 +248,7 @@ impl Settler {
         };
         async move {
             match work {
-                Ok(removal) => settler.remove(removal).await,
+                Ok(removal) => return settler.remove(removal).await,
                 Err(Settle::Release { lease, ids, reason }) => {
                     settler.release(&ids, lease.owner, reason).await
                 }
@@ -258,6 +268,7 @@ impl Settler {
                 }
                 Err(Settle::Remove { .. }) => {}
             }
+            Vec::new()
         }
     }
 
@@ -391,14 +402,17 @@ impl Settler {
     /// the message may be sent again by whoever holds the record now. Once `drain_over` is
     /// cancelled (the shutdown's drain is ending) it gives up and counts the records it could
     /// not remove as possible duplicates, as it does if it is dropped unfinished.
-    async fn remove(&self, mut removal: Unremoved) {
-        self.removal_attempts(&removal.records, &removal.lease)
+    async fn remove(&self, mut removal: Unremoved) -> Vec<Bson> {
+        let lapsed = self
+            .removal_attempts(&removal.records, &removal.lease)
             .await;
         // Each way out of the attempts accounted for every record.
         removal.records.clear();
+        lapsed
     }
 
-    async fn removal_attempts(&self, confirmed: &[Leased], lease: &Lease) {
+    /// The ids it left because their lease ran out first.
+    async fn removal_attempts(&self, confirmed: &[Leased], lease: &Lease) -> Vec<Bson> {
         let store = &self.store;
         let owner = lease.owner;
         let ids: Vec<Bson> = confirmed.iter().map(|r| r.id.clone()).collect();
@@ -414,13 +428,17 @@ impl Settler {
                     owner,
                     "lease expired during the publish; not removing (a peer may have re-claimed it)",
                 );
-                return sent_and_lost(confirmed.len());
+                sent_and_lost(confirmed.len());
+                return ids;
             }
             let removal = tokio::select! {
                 biased;
                 removal = store.bounded("remove sent records", store.remove_held(&ids, owner)) => removal,
                 // The delete may still land on the server.
-                _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids, &self.health),
+                _ = self.drain_over.cancelled() => {
+                    unremoved_at_the_drains_end(owner, &ids, &self.health);
+                    return Vec::new();
+                }
             };
             // Tests only: the server applied the delete, but its answer was lost.
             #[cfg(feature = "failpoints")]
@@ -443,7 +461,13 @@ impl Settler {
                         0 => 0,
                         _ => self.shortfall(&ids, confirmed, owner, short, live).await,
                     };
-                    return m::removed(deleted as usize + gone);
+                    m::removed(deleted as usize + gone);
+                    // Those left were delivered all the same: a claim of this instance that
+                    // takes one again removes it (those removed cannot be taken again).
+                    return match short {
+                        0 => Vec::new(),
+                        _ => ids,
+                    };
                 }
                 // A shutdown's drain is what a failed delete needs most: gave up at its first
                 // failure, the records were sent again after the lease (helper-18's finding).
@@ -454,10 +478,13 @@ impl Settler {
                     tracing::warn!(%owner, records = ids.len(), error = %e, retry_in = ?wait, "removing sent records failed; retrying while the lease holds");
                     let stopping = self.shutdown.is_cancelled();
                     tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = self.shutdown.cancelled(), if !stopping => {}
-                        _ = self.drain_over.cancelled() => return unremoved_at_the_drains_end(owner, &ids, &self.health),
+                            _ = tokio::time::sleep(wait) => {}
+                            _ = self.shutdown.cancelled(), if !stopping => {}
+                            _ = self.drain_over.cancelled() => {
+                        unremoved_at_the_drains_end(owner, &ids, &self.health);
+                        return Vec::new();
                     }
+                        }
                 }
             }
         }
@@ -785,15 +812,39 @@ pub(crate) mod tests {
         });
         let store = Store::with_backend(Arc::new(backend), &config.mongodb, ServerClock::default());
         let (settler, confirmed, lease) = over(store, 2, HOUR);
-        settler
+        let lapsed = settler
             .run(Settle::Remove {
                 lease,
                 records: confirmed,
             })
             .await;
+        assert!(lapsed.is_empty(), "{lapsed:?}");
         let handle = recorder.handle();
         assert_eq!(counter(&handle, "timeoutd_removed_total"), 2.0);
         assert_eq!(possible_duplicates(&handle), 0.0);
+    }
+
+    /// A removal whose deletes fail until the lease runs out names the records it left, for
+    /// the machine to remove rather than send again should a claim of its own take them.
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_that_fails_until_the_lease_runs_out_names_what_it_left() {
+        use crate::store::backend::{Answering, MongoError, Op, Reply};
+        let config = Config::default();
+        let backend = Answering::new(move |op: Op| match op {
+            Op::Delete { .. } => Err(MongoError::from(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused,
+            ))),
+            _ => Ok(Reply::Docs(Vec::new())),
+        });
+        let store = Store::with_backend(Arc::new(backend), &config.mongodb, ServerClock::default());
+        let (settler, confirmed, lease) = over(store, 2, Duration::from_secs(5));
+        let lapsed = settler
+            .run(Settle::Remove {
+                lease,
+                records: confirmed,
+            })
+            .await;
+        assert_eq!(lapsed, [Bson::Int32(0), Bson::Int32(1)]);
     }
 
     /// A removal whose task panicked, with no shutdown anywhere, counted its records as
