@@ -5,7 +5,7 @@
 //! [`RAMP_CEILING`] when it has none) exponentially, and lifts it at the end.
 //!
 //! Token buckets: a limit of `r` per second refills `r` tokens a second and holds at most
-//! `max(1, r / 10)`, so that over any span `t` no more than `r x t + r / 10` records go out.
+//! `max(1, r / 10)`, so that over any span `t` no more than `r x t + max(1, r / 10)` records go out.
 //! A record that finds no token waits in the dispatch loop (still under its lease, its
 //! lateness still measured from its due instant) until one comes. Limits are per instance:
 //! `n` instances sending to one queue can together send `n` times its limit.

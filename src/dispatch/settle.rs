@@ -89,9 +89,10 @@ impl Settle {
 /// It is bounded by what the machine lets in: while it holds `cap` records or more
 /// ([`SettleQueue::is_full`]) no claim starts, so a destination that refuses every send
 /// cannot pile up more work than the database settles (issue 25, 8.3: refused records queued
-/// without bound, outlived their leases and were claimed again). And nothing in it outlives
-/// its lease: a retry or parking whose lease comes within the safety margin before it got a
-/// slot is released instead ([`SettleQueue::release_expiring`]).
+/// without bound, outlived their leases and were claimed again). And no retry or parking in
+/// it outlives its lease: one whose lease comes within the safety margin before it got a slot
+/// is released instead ([`SettleQueue::release_expiring`]). A removal or a release keeps its
+/// place: a removal whose lease runs out first counts its records as lost leases.
 #[derive(Debug, Default)]
 pub struct SettleQueue {
     work: VecDeque<Settle>,

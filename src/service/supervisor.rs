@@ -1,5 +1,5 @@
-//! Supervision of the daemon's essential tasks (dispatch, reaper, monitor, wake-ups, HTTP,
-//! systemd notifications).
+//! Supervision of the daemon's tasks (dispatch, reaper, monitor, insert wake-ups, control
+//! watcher, shapes learner, indexes, history writer, HTTP, systemd notifications).
 //!
 //! A task that ends, returns an error or panics while the daemon is not shutting down is a
 //! failure: it is logged at error level and counted, `/healthz` and `/readyz` turn 503 at once,

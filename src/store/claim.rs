@@ -315,7 +315,9 @@ impl ClaimPath {
 
     /// Steps 2 to 6 of a claim: takes the `candidates` still claimable now under a fresh
     /// owner and a lease from now, with the compare-and-swap `updateMany`, and reads back
-    /// the records it leased as they are now: each is scheduled by the `Time` read back.
+    /// the records it leased as they are now: each is scheduled by the `Time` read back. When
+    /// every candidate was due and all were taken, the candidates as read are what it leased,
+    /// and it reads nothing back.
     pub async fn take(
         &self,
         candidates: Candidates,
