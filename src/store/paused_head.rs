@@ -150,6 +150,21 @@ mod tests {
         vec!["paused".to_string()]
     }
 
+    /// A read leaving out `paused()` that `began`, as [`PausedHead::update`] takes it.
+    /// (Instants in ms.)
+    fn read(
+        h: &PausedHead,
+        began: Began,
+        from: Option<i64>,
+        now: i64,
+        first: Option<i64>,
+        to: i64,
+        t: Instant,
+    ) {
+        let (from, first) = (from.map(at), first.map(at));
+        h.update_at((&paused(), began), from, at(now), first, at(to), t);
+    }
+
     impl PausedHead {
         /// A read beginning now.
         fn began(&self) -> Began {
@@ -168,28 +183,14 @@ mod tests {
         let (from, began) = h.start_at(&paused(), t0);
         assert_eq!(from, None);
         h.forget();
-        h.update_at(
-            (&paused(), began),
-            None,
-            at(10_000),
-            Some(at(4_000)),
-            at(12_000),
-            t0,
-        );
+        read(&h, began, None, 10_000, Some(4_000), 12_000, t0);
         assert_eq!(
             h.start_at(&paused(), t0).0,
             None,
             "a bound from a read that missed the release"
         );
         let began = h.began();
-        h.update_at(
-            (&paused(), began),
-            None,
-            at(10_000),
-            Some(at(4_000)),
-            at(12_000),
-            t0,
-        );
+        read(&h, began, None, 10_000, Some(4_000), 12_000, t0);
         assert_eq!(
             h.start_at(&paused(), t0).0,
             Some(at(4_000)),
@@ -206,43 +207,15 @@ mod tests {
             None,
             "nothing known: from the start"
         );
-        h.update_at(
-            (&paused(), h.began()),
-            None,
-            at(10_000),
-            Some(at(4_000)),
-            at(12_000),
-            t0,
-        );
+        read(&h, h.began(), None, 10_000, Some(4_000), 12_000, t0);
         assert_eq!(h.start_at(&paused(), t0).0, Some(at(4_000)));
-        h.update_at(
-            (&paused(), h.began()),
-            Some(at(4_000)),
-            at(11_000),
-            Some(at(6_000)),
-            at(13_000),
-            t0,
-        );
+        read(&h, h.began(), Some(4_000), 11_000, Some(6_000), 13_000, t0);
         assert_eq!(h.start_at(&paused(), t0).0, Some(at(6_000)));
         // Nothing found: up to the server's now, never into the look-ahead.
-        h.update_at(
-            (&paused(), h.began()),
-            Some(at(6_000)),
-            at(12_000),
-            None,
-            at(14_000),
-            t0,
-        );
+        read(&h, h.began(), Some(6_000), 12_000, None, 14_000, t0);
         assert_eq!(h.start_at(&paused(), t0).0, Some(at(12_000)));
         // A slice read past the bound leaves it.
-        h.update_at(
-            (&paused(), h.began()),
-            Some(at(20_000)),
-            at(30_000),
-            None,
-            at(32_000),
-            t0,
-        );
+        read(&h, h.began(), Some(20_000), 30_000, None, 32_000, t0);
         assert_eq!(h.start_at(&paused(), t0).0, Some(at(12_000)));
     }
 
@@ -250,14 +223,7 @@ mod tests {
     fn the_bound_lapses_changes_with_the_set_and_is_forgotten() {
         let h = PausedHead::default();
         let t0 = Instant::now();
-        h.update_at(
-            (&paused(), h.began()),
-            None,
-            at(10_000),
-            Some(at(4_000)),
-            at(12_000),
-            t0,
-        );
+        read(&h, h.began(), None, 10_000, Some(4_000), 12_000, t0);
         assert_eq!(
             h.start_at(&paused(), t0 + FULL_READ_EVERY).0,
             None,
@@ -275,14 +241,7 @@ mod tests {
         );
         h.forget();
         assert_eq!(h.start_at(&paused(), t0).0, None, "forgotten");
-        h.update_at(
-            (&paused(), h.began()),
-            None,
-            at(10_000),
-            Some(at(4_000)),
-            at(12_000),
-            t0,
-        );
+        read(&h, h.began(), None, 10_000, Some(4_000), 12_000, t0);
         h.update_at((&[], h.began()), None, at(10_000), None, at(12_000), t0);
         assert_eq!(
             h.start_at(&paused(), t0).0,
