@@ -128,6 +128,21 @@ impl Rig {
         waves.next().expect("a wave")
     }
 
+    /// A wave of records `sent` goes out and a claim starts beside it; the claim reads
+    /// `candidate` and waits for the wave's first answer.
+    fn gated_beside_a_wave(&mut self, sent: &[i32], candidate: i32) {
+        for n in sent {
+            self.hold(*n, Duration::from_secs(60));
+        }
+        let commands = self.commands();
+        let started = matches!(
+            commands[..],
+            [Command::Publish { .. }, Command::Read { .. }]
+        );
+        assert!(started, "{commands:?}");
+        self.candidates(&[candidate]);
+    }
+
     /// The claim running returns record 1, which this instance sent: it is removed under the
     /// claim's lease, not sent again.
     fn claimed_again_is_removed(&mut self, case: &str) {
@@ -489,14 +504,7 @@ fn a_claim_beside_an_unanswered_wave_takes_only_once_the_broker_answered() {
         .chain(["sent unanswered", "deadline", "shutdown"])
     {
         let mut r = Rig::up(Config::default());
-        r.hold(1, Duration::from_secs(60));
-        let commands = r.commands();
-        let started = matches!(
-            commands[..],
-            [Command::Publish { .. }, Command::Read { .. }]
-        );
-        assert!(started, "{commands:?}");
-        r.candidates(&[2]);
+        r.gated_beside_a_wave(&[1], 2);
         assert!(r.commands().is_empty(), "{end}: took before any answer");
         match end {
             "answered" => r.handle(Input::Answered),
@@ -535,15 +543,7 @@ fn candidates_read_back_during_the_hold_off_are_not_taken() {
 #[test]
 fn a_gated_claim_takes_nothing_when_its_wave_ends_partly_unanswered() {
     let mut r = Rig::up(Config::default());
-    r.hold(1, Duration::from_secs(60));
-    r.hold(2, Duration::from_secs(60));
-    let commands = r.commands();
-    let started = matches!(
-        commands[..],
-        [Command::Publish { .. }, Command::Read { .. }]
-    );
-    assert!(started, "{commands:?}");
-    r.candidates(&[3]);
+    r.gated_beside_a_wave(&[1, 2], 3);
     let outcomes = vec![SendOutcome::Confirmed, SendOutcome::TimedOut];
     r.handle(Input::WaveSent {
         outcomes,
