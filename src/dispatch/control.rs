@@ -87,7 +87,7 @@ impl Control {
     /// Destinations the next claim leaves out: the paused ones, those the broker refused
     /// lately, and those with a send-rate limit of which this instance already holds what it
     /// may send over a poll interval and the look-ahead (more would only wait here, out of
-    /// reach of other instances). `server` is the server's clock (ramps follow it).
+    /// reach of other instances). `server` is the server's clock (ramps follow it). Sorted.
     pub fn excluded(&self, held: &Held, at: Instant, server: DateTime) -> Vec<String> {
         let mut excluded = self.snapshot.paused.clone();
         for (d, until) in &self.refusing {
@@ -111,6 +111,9 @@ impl Control {
                 excluded.push(name);
             }
         }
+        // In one order whatever the map's: the paused head keeps its bound only while the
+        // list it was read with stays the same.
+        excluded.sort();
         excluded
     }
 
