@@ -170,16 +170,19 @@ impl Health {
 mod tests {
     use super::*;
 
-    /// The review of issue 25: durations that pass validation can still be absurd, and the
-    /// sums and products over them panicked in debug builds (`poll_interval * 3` here).
+    /// The review of issue 25: absurd durations (they passed validation then; it now refuses
+    /// any over a year) made the sums and products over them panic in debug builds
+    /// (`poll_interval * 3` here). The arithmetic stays saturating all the same.
     #[test]
     fn absurd_configured_durations_never_overflow() {
-        let c = crate::config::Config::from_toml(
-            "[dispatch]\npoll_interval = \"200000000000years\"\nlook_ahead = \"1s\"\n\
-             lock_lease = \"500000000000years\"\nshutdown_timeout = \"18446744073709551615s\"\n\
-             [mongodb]\noperation_timeout = \"500000000000years\"\n",
-        )
-        .expect("absurd but valid");
+        let years = |n: u64| Duration::from_secs(n.saturating_mul(365 * 24 * 3600));
+        let mut c = crate::config::Config::default();
+        c.dispatch.poll_interval = years(200_000_000_000);
+        c.dispatch.look_ahead = Some(Duration::from_secs(1));
+        c.dispatch.lock_lease = years(500_000_000_000);
+        c.dispatch.shutdown_timeout = Duration::from_secs(u64::MAX);
+        c.mongodb.operation_timeout = years(500_000_000_000);
+        assert!(c.validate().is_err(), "refused at start-up");
         let h = Health::new(c.dispatch.poll_interval)
             .with_stall_after(crate::service::progress::stall_after(&c));
         assert!(h.is_live());
