@@ -19,6 +19,7 @@ use bson::{Bson, DateTime, Document};
 
 use super::claims::{Claims, Gate, Step};
 use super::control::Control;
+use super::delivered::Delivered;
 use super::leased::{Held, Leased, instant_of, triage};
 use super::settle::{Failure, Settle, SettleQueue, by_lease};
 use super::summary::WaveSummary;
@@ -168,8 +169,6 @@ pub struct Wave {
 struct Settling {
     tasks: usize,
     records: usize,
-    /// The records of the removals running: confirmed, not yet removed.
-    removing: Vec<Bson>,
 }
 
 /// The dispatch core's state. One per process.
@@ -183,12 +182,9 @@ pub struct Machine {
     blocked: bool,
     claims: Claims,
     held: Held,
-    /// Records the broker confirmed that may be left in the collection: confirmed after
-    /// their lease may have run out with no copy held then, or left by a removal that ran
-    /// out of lease; each until a lease later. A claim of this instance that takes one again
-    /// (or one a removal still has, [`Settling::removing`] and [`SettleQueue::removes`])
-    /// removes it under its own lease instead of sending it again.
-    delivered: Vec<(Bson, Instant)>,
+    /// Records the broker confirmed that are not known removed: a claim of this instance
+    /// that takes one again removes it instead of sending it again.
+    delivered: Delivered,
     settle: SettleQueue,
     settling: Settling,
     control: Control,
@@ -222,7 +218,7 @@ impl Machine {
             reconnect: Backoff::reconnect(),
             blocked: false,
             held: Held::default(),
-            delivered: Vec::new(),
+            delivered: Delivered::default(),
             settle: SettleQueue::default(),
             settling: Settling::default(),
             history: false,
@@ -408,14 +404,8 @@ impl Machine {
             } => {
                 self.settling.tasks = self.settling.tasks.saturating_sub(1);
                 self.settling.records = self.settling.records.saturating_sub(records);
-                for id in &removing {
-                    if let Some(i) = self.settling.removing.iter().position(|r| r == id) {
-                        self.settling.removing.swap_remove(i);
-                    }
-                }
                 let until = now.at + self.config.dispatch.lock_lease;
-                self.delivered
-                    .extend(lapsed.into_iter().map(|id| (id, until)));
+                self.delivered.removed(&removing, &lapsed, until);
                 self.control.leave_out(refused, now.at);
             }
             Input::Timeout => {}
@@ -518,6 +508,12 @@ impl Machine {
         None
     }
 
+    /// Queues the removal of confirmed records, known delivered until it ends.
+    fn remove(&mut self, lease: Lease, records: Vec<Leased>) {
+        self.delivered.removing(records.iter().map(|r| &r.id));
+        self.settle.push(Settle::Remove { lease, records });
+    }
+
     /// The next settling work while a slot is free. Work that would outlive its lease is
     /// released first.
     fn next_settling(&mut self, now: &Now) -> Option<Settle> {
@@ -529,10 +525,6 @@ impl Machine {
         let work = self.settle.pop()?;
         self.settling.tasks += 1;
         self.settling.records += work.records();
-        if let Settle::Remove { records, .. } = &work {
-            let ids = records.iter().map(|r| r.id.clone());
-            self.settling.removing.extend(ids);
-        }
         Some(work)
     }
 
@@ -737,7 +729,7 @@ impl Machine {
             let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
             return self.settle.release(rows, "publish_failed");
         }
-        self.delivered.retain(|(_, until)| now.at < *until);
+        self.delivered.prune(now.at);
         let mut again = Vec::new();
         for row in claim.rows {
             match triage(row.record) {
@@ -748,14 +740,7 @@ impl Machine {
                         record,
                         lease,
                     };
-                    let delivered = self.delivered.iter().position(|(id, _)| *id == leased.id);
-                    if let Some(i) = delivered {
-                        self.delivered.swap_remove(i);
-                    }
-                    if delivered.is_some()
-                        || self.settling.removing.contains(&leased.id)
-                        || self.settle.removes(&leased.id)
-                    {
+                    if self.delivered.has(&leased.id, now.at) {
                         again.push(leased);
                     } else {
                         self.held.push(leased);
@@ -767,10 +752,7 @@ impl Machine {
         if !again.is_empty() {
             // Delivered already (helper-22: a claim running when the confirm came took the
             // record again after its lease ran out, and it was sent a second time).
-            self.settle.push(Settle::Remove {
-                lease,
-                records: again,
-            });
+            self.remove(lease, again);
         }
         if self.blocked {
             self.release_held("blocked", BLOCKED);
@@ -928,18 +910,13 @@ impl Machine {
         if !lapsed.is_empty() {
             let copies = self.held.take_matching(|h| lapsed.contains(&h.id));
             let until = now.at + self.config.dispatch.lock_lease;
-            self.delivered.extend(
-                lapsed
-                    .into_iter()
-                    .filter(|id| !copies.iter().any(|h| h.id == *id))
-                    .map(|id| (id, until)),
-            );
+            self.delivered.left(&lapsed, until);
             confirmed.retain(|c| !copies.iter().any(|h| h.id == c.id));
             confirmed.extend(copies);
         }
         self.control.leave_out(refusing, now.at);
         for (lease, records) in by_lease(confirmed, |r| r.lease) {
-            self.settle.push(Settle::Remove { lease, records });
+            self.remove(lease, records);
         }
         if !fired.is_empty() {
             self.outbox.push_back(Command::History(fired));

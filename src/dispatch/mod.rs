@@ -6,6 +6,7 @@
 
 mod claims;
 mod control;
+mod delivered;
 mod driver;
 pub mod leased;
 pub mod machine;

@@ -156,14 +156,6 @@ impl SettleQueue {
         self.work.iter()
     }
 
-    /// Whether a removal waiting here has record `id`.
-    pub fn removes(&self, id: &Bson) -> bool {
-        self.work.iter().any(|w| match w {
-            Settle::Remove { records, .. } => records.iter().any(|r| r.id == *id),
-            _ => false,
-        })
-    }
-
     /// Confirmed records waiting for a removal: left leased if the machine is dropped.
     pub fn unremoved(&self) -> usize {
         let removal = |w: &Settle| matches!(w, Settle::Remove { .. }).then(|| w.records());

@@ -72,6 +72,15 @@ pub fn ids_of(docs: Vec<Document>) -> Vec<Bson> {
         .collect()
 }
 
+/// A record id as a map key: its BSON encoding, so that ids of different types stay apart, as
+/// `Bson` equality keeps them (`Bson` has no `Hash`).
+pub fn id_key(id: &Bson) -> Vec<u8> {
+    let mut key = Vec::new();
+    // Writing to a Vec fails only for a document too large for BSON, which no id is.
+    let _ = bson::doc! { "": id.clone() }.to_writer(&mut key);
+    key
+}
+
 /// An `_id` for logs: the GUID as .NET prints it when it is one, else the raw BSON.
 pub fn display_id(id: &Bson) -> String {
     bson_uuid(id)

@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 
 pub use crate::config::HistoryConfig;
 use crate::metrics as m;
+use crate::record::id_key;
 use crate::store::coll::Coll;
 use crate::store::indexes::{create_index, index_spec};
 use crate::store::{Store, StoreError};
@@ -193,15 +194,6 @@ pub async fn write(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
             }
         }
     }
-}
-
-/// A record id as a map key: its BSON encoding, so that ids of different types stay apart, as
-/// the equality the rows were matched by before.
-fn id_key(id: &Bson) -> Vec<u8> {
-    let mut key = Vec::new();
-    // Writing to a Vec fails only for a document too large for BSON, which no id is.
-    let _ = doc! { "": id.clone() }.to_writer(&mut key);
-    key
 }
 
 impl Store {
