@@ -398,7 +398,11 @@ impl Parking {
         self.attempts
             .delete_one(doc! { field::ID: id.clone() })
             .await?;
-        let deleted = self.parked.delete_one(this_copy).await?;
+        // Not a copy a racing park marked kept: that park deleted the record from `Timeouts`
+        // with this copy as the only other, and may be cut before it writes its own.
+        let mut unkept = this_copy;
+        unkept.insert(parked_field::KEPT, doc! { "$ne": true });
+        let deleted = self.parked.delete_one(unkept).await?;
         Ok(if deleted.deleted == 1 {
             outcome
         } else {
@@ -684,6 +688,68 @@ mod tests {
                 "{ops:?}"
             );
         }
+    }
+
+    /// Found in review: a requeue racing a park of the record it put back. The park found
+    /// this copy in its way, marked it kept, and deleted the record from `Timeouts`; the
+    /// requeue's last delete took the copy all the same, and a park cut before it wrote its
+    /// own copy left the record in neither collection. A copy marked kept stays.
+    #[tokio::test]
+    async fn a_requeue_leaves_a_copy_a_racing_park_marked_kept() {
+        let id = crate::record::uuid_bson(crate::host::uuid());
+        let copy = doc! {
+            field::ID: id.clone(),
+            parked_field::PARK_ID: 1,
+            parked_field::RECORD: { field::ID: id.clone(), field::DESTINATION: "q" },
+            parked_field::KEPT: true,
+        };
+        let stored = Arc::new(Mutex::new(Some(copy.clone())));
+        let parked = stored.clone();
+        let backend = crate::store::backend::Answering::new(move |op: Op| {
+            let mut parked = parked.lock().unwrap_or_else(|e| e.into_inner());
+            let written = |n: u64| {
+                Ok(Reply::Written(Written {
+                    matched: n,
+                    modified: n,
+                    deleted: n,
+                    ..Written::default()
+                }))
+            };
+            match op {
+                // The record is back in `Timeouts`, held by the park.
+                Op::Insert { .. } => Err(write_error(11000)),
+                Op::Update { filter, update, .. } => match parked.as_mut() {
+                    Some(d) if matches(&filter, d) => {
+                        d.extend(update.get_document("$set").cloned().unwrap_or_default());
+                        written(1)
+                    }
+                    _ => written(0),
+                },
+                // The parked copy's delete names its park_id; the failed-send count's does not.
+                Op::Delete { filter, .. } if filter.contains_key(parked_field::PARK_ID) => {
+                    match parked.as_ref() {
+                        Some(d) if matches(&filter, d) => {
+                            *parked = None;
+                            written(1)
+                        }
+                        _ => written(0),
+                    }
+                }
+                Op::Delete { .. } => written(0),
+                other => panic!("not modelled: {other:?}"),
+            }
+        });
+        let store = crate::store::Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let outcome = store.parking().requeue_parked(&copy).await;
+        assert_eq!(outcome.expect("requeue"), Requeued::ParkedAgain);
+        assert!(
+            stored.lock().unwrap().is_some(),
+            "the copy the park relies on was deleted"
+        );
     }
 
     /// Two parks of one record race: one by an instance whose lease ran out (its copy is
