@@ -354,7 +354,11 @@ pub fn same_shape(old: &Bson, due: DateTime) -> Option<Bson> {
                 return None;
             }
             let ticks = match parts.first() {
-                Some(Bson::Int32(_)) => Bson::Int32(i32::try_from(clock).ok()?),
+                // Ticks a record kept as Int32 (no instant after the year 1's first minutes
+                // fits) widen to the Int64 the C# driver writes, rather than stop the run.
+                Some(Bson::Int32(_)) => {
+                    i32::try_from(clock).map_or(Bson::Int64(clock), Bson::Int32)
+                }
                 Some(Bson::Int64(_)) => Bson::Int64(clock),
                 _ => return None,
             };
@@ -530,10 +534,29 @@ mod tests {
             Bson::Array(vec![Bson::Int64(5), Bson::Int64(i64::MIN)]),
             Bson::Array(vec![Bson::Int64(5), Bson::Int64(i64::MAX)]),
             Bson::Array(vec![Bson::Double(5.0), Bson::Int32(0)]),
-            // Ticks stored as Int32 cannot hold a real instant.
-            Bson::Array(vec![Bson::Int32(5), Bson::Int32(0)]),
         ] {
             assert_eq!(same_shape(&bad, due), None, "{bad:?}");
         }
+    }
+
+    /// Found in review: ticks stored as Int32 cannot hold an instant after the year 1's first
+    /// minutes, and moving such a record stopped the whole `reschedule` with a message that
+    /// blamed the new instant. They widen to Int64, as the C# driver writes them.
+    #[test]
+    fn int32_ticks_moved_widen_to_int64() {
+        let due = DateTime::from_millis(NEW_YEAR_MS);
+        let old = Bson::Array(vec![Bson::Int32(5), Bson::Int32(0)]);
+        assert_eq!(
+            same_shape(&old, due),
+            Some(Bson::Array(vec![
+                Bson::Int64(NEW_YEAR_TICKS),
+                Bson::Int32(0)
+            ]))
+        );
+        let year_one = DateTime::from_millis(due::MIN_DATE_MS);
+        assert!(matches!(
+            same_shape(&old, year_one),
+            Some(Bson::Array(a)) if matches!(a[0], Bson::Int32(_))
+        ));
     }
 }
