@@ -87,6 +87,53 @@ pub fn format_dotnet_utc(unix_nanos: i128) -> Option<String> {
     ))
 }
 
+/// A `double` as .NET (Core 3.0 and later) prints it in the invariant culture (`NaN`,
+/// `Infinity`, `-Infinity`; for a finite value the shortest digits that read back as the same value, fixed-point while the decimal point
+/// falls from 3 places before the first digit to 15 digits after it (or after the last
+/// digit, for more), else scientific with a signed exponent of at least two digits
+/// (`1E+21`, `1E-05`, `1.5E+300`)).
+pub fn format_dotnet_double(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let sign = if v.is_sign_negative() { "-" } else { "" };
+    // Rust's shortest round-trip digits, as `d.ddde<exp>`.
+    let scientific = format!("{:e}", v.abs());
+    let (mantissa, exp) = scientific.split_once('e').unwrap_or((&scientific, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    if digits.bytes().all(|d| d == b'0') {
+        return format!("{sign}0");
+    }
+    // Where the decimal point falls, counted from before the first digit.
+    let scale = exp.saturating_add(1);
+    let width = i32::try_from(digits.len()).unwrap_or(i32::MAX);
+    if scale > width.max(15) || scale < -3 {
+        let mut chars = digits.chars();
+        let first: String = chars.by_ref().take(1).collect();
+        let rest: String = chars.collect();
+        let point = if rest.is_empty() { "" } else { "." };
+        let exp_sign = if exp < 0 { '-' } else { '+' };
+        return format!(
+            "{sign}{first}{point}{rest}E{exp_sign}{:02}",
+            exp.unsigned_abs()
+        );
+    }
+    let zeros = |n: i32| "0".repeat(usize::try_from(n).unwrap_or(0));
+    if scale <= 0 {
+        return format!("{sign}0.{}{digits}", zeros(-scale));
+    }
+    if scale >= width {
+        return format!("{sign}{digits}{}", zeros(scale - width));
+    }
+    let whole: String = digits.chars().take(scale.unsigned_abs() as usize).collect();
+    let fraction: String = digits.chars().skip(scale.unsigned_abs() as usize).collect();
+    format!("{sign}{whole}.{fraction}")
+}
+
 /// A stored header value as the string ServiceConnect would send, or `None` to drop it.
 pub fn header_value_string(value: &Bson) -> Option<String> {
     match value {
@@ -96,7 +143,7 @@ pub fn header_value_string(value: &Bson) -> Option<String> {
         Bson::Boolean(false) => Some("False".into()),
         Bson::Int32(v) => Some(v.to_string()),
         Bson::Int64(v) => Some(v.to_string()),
-        Bson::Double(v) if v.is_finite() => Some(v.to_string()),
+        Bson::Double(v) => Some(format_dotnet_double(*v)),
         Bson::Binary(b) if b.subtype == BinarySubtype::Generic => Some(format!(
             "base64:{}",
             base64::engine::general_purpose::STANDARD.encode(&b.bytes)

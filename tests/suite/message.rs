@@ -145,6 +145,47 @@ fn every_date_dotnet_can_hold_is_formatted_and_others_dropped() {
     }
 }
 
+/// Found in review: a `double` header was printed as Rust prints it (`1e21` as 22 digits,
+/// `1e-5` as `0.00001`), not in .NET's invariant form that ServiceConnect sends (interop §5).
+#[test]
+fn a_double_header_is_printed_as_dotnet_prints_it() {
+    for (v, dotnet) in [
+        (0.0, "0"),
+        (-0.0, "-0"),
+        (5.0, "5"),
+        (-60.0, "-60"),
+        (1.5, "1.5"),
+        (0.1 + 0.2, "0.30000000000000004"),
+        (0.0001, "0.0001"),
+        (0.00001, "1E-05"),
+        (123_456_789_012_345.0, "123456789012345"),
+        (1e15, "1E+15"),
+        (1_234_567_890_123_456.0, "1234567890123456"),
+        (1e16, "1E+16"),
+        (1e21, "1E+21"),
+        (1.5e300, "1.5E+300"),
+        (1.25e-7, "1.25E-07"),
+        (f64::MAX, "1.7976931348623157E+308"),
+        (5e-324, "5E-324"),
+    ] {
+        assert_eq!(
+            header_value_string(&Bson::Double(v)).as_deref(),
+            Some(dotnet),
+            "{v:e}"
+        );
+    }
+    for (v, dotnet) in [
+        (f64::NAN, "NaN"),
+        (f64::INFINITY, "Infinity"),
+        (f64::NEG_INFINITY, "-Infinity"),
+    ] {
+        assert_eq!(
+            header_value_string(&Bson::Double(v)).as_deref(),
+            Some(dotnet)
+        );
+    }
+}
+
 #[test]
 fn a_routing_key_longer_than_amqp_allows_is_unsendable() {
     let mut r = record();
