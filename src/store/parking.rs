@@ -5,8 +5,9 @@
 //! `Time` and its shape stay as ServiceConnect wrote them. The count of failed sends lives in
 //! `<collection>_attempts`, never in the record. After `[retry] max_attempts` failures, or at
 //! once for a record the decoder rejects, the record is copied to `<collection>_parked` with
-//! the reason, and only then deleted from `Timeouts` under the owner guard: a crash in between
-//! leaves two copies, never none. Parking is all or nothing with respect to the lease: when
+//! the reason, and only then deleted from `Timeouts` under the owner guard (the copy is written
+//! again after that delete, for a `parked requeue` may have taken it meanwhile): a crash in
+//! between leaves two copies, never none. Parking is all or nothing with respect to the lease: when
 //! the guarded delete matches nothing (the lease ran out, another owner holds the record, or
 //! sent it and deleted it), the parked copy is removed again (unless a racing park that
 //! deleted the record found it there and kept it) and the failed-send count, which is the new
@@ -281,13 +282,27 @@ impl Parking {
             .delete_one(lease::held_one(id, owner, self.clock.now()))
             .await?;
         if deleted.deleted == 1 {
-            if !mine {
-                // The copy there was left by a park that crashed before its delete: the
-                // record's fate is this park's now, so its copy says why.
-                self.parked
-                    .replace_one(doc! { field::ID: id.clone() }, parked)
-                    .upsert(true)
-                    .await?;
+            // The record's fate is this park's now, and its copy is written again under a
+            // park_id of its own: the copy there may be one a crashed park left, and this
+            // park's own may have been taken by a `parked requeue` that read it before this
+            // delete and found the record still in `Timeouts` (found in review: the record
+            // was then in neither collection). A requeue that read the copy before this
+            // rewrite deletes only the copy it read.
+            let mut parked = parked;
+            parked.insert(
+                parked_field::PARK_ID,
+                crate::record::uuid_bson(crate::host::uuid()),
+            );
+            match self
+                .parked
+                .replace_one(doc! { field::ID: id.clone() }, parked)
+                .upsert(true)
+                .await
+            {
+                // A racing upsert wrote a copy first: it is there.
+                Ok(_) => {}
+                Err(e) if is_duplicate_key(&e) => {}
+                Err(e) => return Err(e.into()),
             }
             self.attempts
                 .delete_one(doc! { field::ID: id.clone() })
@@ -749,6 +764,114 @@ mod tests {
         assert!(
             stored.lock().unwrap().is_some(),
             "the copy the park relies on was deleted"
+        );
+    }
+
+    /// Found in review: a park that wrote the only copy races a `parked requeue` of it. The
+    /// requeue reads the copy, finds the record still in `Timeouts` (the park holds it) and
+    /// deletes the copy as a duplicate; the park's guarded delete then takes the record.
+    /// Before, the record was in neither collection; the park now writes its copy again.
+    #[tokio::test(start_paused = true)]
+    async fn a_park_racing_a_requeue_of_its_own_copy_keeps_the_record() {
+        let parked: Arc<Mutex<HashMap<String, Document>>> = Arc::default();
+        let coll = parked.clone();
+        let backend = crate::store::backend::Answering::new(move |op: Op| {
+            use crate::store::backend::Answer;
+            let mut parked = coll.lock().unwrap_or_else(|e| e.into_inner());
+            let written = |n: u64| {
+                Ok(Reply::Written(Written {
+                    matched: n,
+                    modified: n,
+                    deleted: n,
+                    ..Written::default()
+                }))
+            };
+            let found = |f: &Document, parked: &HashMap<String, Document>| {
+                parked
+                    .iter()
+                    .find(|(_, d)| matches(f, d))
+                    .map(|(k, _)| k.clone())
+            };
+            match op {
+                // The record is in `Timeouts` until the park's guarded delete, which answers
+                // late: the requeue runs in between.
+                Op::Insert { .. } => Answer::Now(Err(write_error(11000))),
+                Op::Delete { filter, .. } if filter.contains_key("$and") => {
+                    Answer::After(Duration::from_secs(1), written(1))
+                }
+                Op::Delete { filter, .. } if filter.contains_key(parked_field::PARK_ID) => {
+                    let k = found(&filter, &parked);
+                    Answer::Now(written(u64::from(
+                        k.and_then(|k| parked.remove(&k)).is_some(),
+                    )))
+                }
+                // The failed-send count.
+                Op::Delete { .. } => Answer::Now(written(0)),
+                Op::Update { filter, update, .. } => match found(&filter, &parked) {
+                    Some(k) => {
+                        let set = update.get_document("$set").cloned().unwrap_or_default();
+                        parked.entry(k).and_modify(|d| d.extend(set));
+                        Answer::Now(written(1))
+                    }
+                    None => Answer::Now(written(0)),
+                },
+                Op::Replace {
+                    filter,
+                    replacement,
+                    upsert,
+                    ..
+                } => {
+                    let key = Model::key(&replacement);
+                    match found(&filter, &parked) {
+                        Some(k) => {
+                            parked.insert(k, replacement);
+                            Answer::Now(written(1))
+                        }
+                        None if upsert && parked.contains_key(&key) => {
+                            Answer::Now(Err(write_error(11000)))
+                        }
+                        None => {
+                            parked.insert(key, replacement);
+                            Answer::Now(written(0))
+                        }
+                    }
+                }
+                other => panic!("not modelled: {other:?}"),
+            }
+        });
+        let store = crate::store::Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let id = crate::record::uuid_bson(crate::host::uuid());
+        let raw = doc! { field::ID: id.clone(), field::DESTINATION: "q" };
+        let parking = store.parking();
+        let park = {
+            let parking = store.parking();
+            let (id, raw) = (id.clone(), raw.clone());
+            tokio::spawn(async move {
+                let owner = crate::host::uuid();
+                parking
+                    .park(&id, &raw, owner, ParkReason::Unroutable, "returned", 5)
+                    .await
+            })
+        };
+        // The park wrote its copy and waits on its delete.
+        let copy = loop {
+            let copy = parked.lock().unwrap().values().next().cloned();
+            if let Some(copy) = copy {
+                break copy;
+            }
+            tokio::task::yield_now().await;
+        };
+        let requeued = parking.requeue_parked(&copy).await.expect("requeue");
+        assert_eq!(requeued, Requeued::AlreadyInTimeouts);
+        assert_eq!(park.await.expect("park").expect("park"), Parked::Moved);
+        assert_eq!(
+            parked.lock().unwrap().len(),
+            1,
+            "the record is in neither collection"
         );
     }
 
