@@ -30,7 +30,7 @@ use crate::rabbit::publisher::{PublishError, SendOutcome};
 use crate::record::message::{self, OutgoingMessage};
 use crate::service::health::Health;
 use crate::store::StoreError;
-use crate::store::claim::{Candidates, Claim};
+use crate::store::claim::{Candidates, Claim, ClaimedRow};
 use crate::store::control::Snapshot;
 use crate::store::history::{self, Row};
 use crate::store::lease::{Lease, PrePublish};
@@ -718,44 +718,54 @@ impl Machine {
         // At info, with the instance: ties the owner `list` shows to the process holding it.
         tracing::info!(%owner, instance = crate::service::buildinfo::instance(), claimed = claim.rows.len(), "claimed batch");
         m::claimed(claim.rows.len());
+        // Delivered already (helper-22: a claim running when the confirm came took the record
+        // again after its lease ran out, and it was sent a second time): removed under this
+        // lease, not sent again, nor released below for a peer to send (helper-25).
+        self.delivered.prune(now.at);
+        let (again, rows): (Vec<_>, Vec<_>) =
+            (claim.rows.into_iter()).partition(|row| self.delivered.has(&row.id, now.at));
+        let again: Vec<Leased> = again
+            .into_iter()
+            .filter_map(|row| self.triaged(row, lease))
+            .collect();
+        if !again.is_empty() {
+            self.remove(lease, again);
+        }
         if self.stopping.is_some() {
-            let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
+            let rows = rows.into_iter().map(|r| (r.id, lease)).collect();
             return self.settle.release(rows, "shutdown");
         }
         // Publishes went unconfirmed while it was taking: the records they released may be
         // among its rows (their leases ran out during the wave), and none may go out again
         // before the hold-off ends, as none is taken after it began (simulation seed 5067).
         if now.at < self.claims.not_before {
-            let rows = claim.rows.into_iter().map(|r| (r.id, lease)).collect();
+            let rows = rows.into_iter().map(|r| (r.id, lease)).collect();
             return self.settle.release(rows, "publish_failed");
         }
-        self.delivered.prune(now.at);
-        let mut again = Vec::new();
-        for row in claim.rows {
-            match triage(row.record) {
-                Ok(record) => {
-                    let leased = Leased {
-                        id: row.id,
-                        raw: row.raw,
-                        record,
-                        lease,
-                    };
-                    if self.delivered.has(&leased.id, now.at) {
-                        again.push(leased);
-                    } else {
-                        self.held.push(leased);
-                    }
-                }
-                Err(why) => self.park(row.id, row.raw, String::new(), lease, why),
+        for row in rows {
+            if let Some(leased) = self.triaged(row, lease) {
+                self.held.push(leased);
             }
-        }
-        if !again.is_empty() {
-            // Delivered already (helper-22: a claim running when the confirm came took the
-            // record again after its lease ran out, and it was sent a second time).
-            self.remove(lease, again);
         }
         if self.blocked {
             self.release_held("blocked", BLOCKED);
+        }
+    }
+
+    /// A claimed row as the leased record it is from now on; `None` when it cannot be sent
+    /// (parked, with the reason).
+    fn triaged(&mut self, row: ClaimedRow, lease: Lease) -> Option<Leased> {
+        match triage(row.record) {
+            Ok(record) => Some(Leased {
+                id: row.id,
+                raw: row.raw,
+                record,
+                lease,
+            }),
+            Err(why) => {
+                self.park(row.id, row.raw, String::new(), lease, why);
+                None
+            }
         }
     }
 
