@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::time::Instant;
 
 use bson::DateTime;
@@ -16,6 +17,9 @@ use crate::dispatch::ratelimit::RateLimits;
 use crate::metrics as m;
 use crate::store::control::Snapshot;
 use crate::store::lease::{self, PrePublish};
+
+/// The longest a record is judged to wait for its token, in seconds (as the buckets' own).
+const LONGEST_WAIT: f64 = 3600.0;
 
 /// Pauses, ramps, rate limits and refusing destinations, as this instance applies them.
 #[derive(Debug)]
@@ -148,6 +152,9 @@ impl Control {
         let now_ms = now.timestamp_millis();
         let margin = self.config.dispatch.lease_safety_margin;
         let (mut send, mut later) = (Vec::new(), 0);
+        // Records held back in this pass, by destination: each waits for the tokens of
+        // those ahead of it too.
+        let mut queued: HashMap<String, usize> = HashMap::new();
         let mut paused = Vec::new();
         let mut outlasting = Vec::new();
         for r in due {
@@ -168,10 +175,23 @@ impl Control {
             // (simulation seed 102: 87 records at 2 a second under a 3 s lease stalled for
             // 26 s at a time). Released now, a later claim, here or on another instance,
             // takes it again. The wave's own pre-publish check, at the instant the token comes.
-            let token_at = lease::add(latest, wait);
+            // Its token is the one after those of the records held back ahead of it, of its
+            // destination and (the instance's limit) of any (helper-25: 500 records at 1 a
+            // second were all judged by the next token, and held for most of a 300 s lease
+            // that peers could have sent them in).
+            let ahead = |n: usize, rate: Option<f64>| {
+                rate.filter(|r| *r > 0.0).map_or(0.0, |r| n as f64 / r)
+            };
+            let mine = queued.get(destination).copied().unwrap_or(0);
+            let instance = self.config.dispatch.max_rate;
+            let behind = ahead(mine, rate)
+                .max(ahead(later, instance))
+                .min(LONGEST_WAIT);
+            let token_at = lease::add(latest, wait + Duration::from_secs_f64(behind));
             if r.lease.before_publish(token_at, margin) != PrePublish::Publish {
                 outlasting.push(r);
             } else {
+                *queued.entry(destination.to_owned()).or_default() += 1;
                 // In whole milliseconds, at least one.
                 let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
                 held.defer(r, now_ms.saturating_add(ms));

@@ -1064,3 +1064,50 @@ fn records_left_unsettled_after_a_panic_count_as_duplicates_by_panic() {
     };
     assert_eq!((by("panic"), by("shutdown")), (2.0, 0.0), "{text}");
 }
+
+/// Found in review (helper-25): a backlog held back by a destination's rate limit was judged
+/// by the next token alone, so a claim of 100 records at 1 a second held them all, most for
+/// nearly the whole lease, out of every peer's reach. Each waits for the tokens of those ahead
+/// of it: what cannot go out within its lease is released for a peer to send.
+#[test]
+fn a_rate_limited_backlog_holds_only_what_its_lease_lets_it_send() {
+    let mut config = Config::default();
+    config.dispatch.destination = vec![crate::config::DestinationLimit {
+        name: "timeoutd-test-dispatch-unit".into(),
+        max_rate: 1.0,
+    }];
+    let lease = Duration::from_secs(60);
+    let within = (lease - config.dispatch.lease_safety_margin).as_secs() as usize;
+    let mut r = Rig::up(config);
+    for n in 0..100 {
+        r.hold(n, lease);
+    }
+    let commands = r.commands();
+    let sent: usize = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Publish { messages, .. } => Some(messages.len()),
+            _ => None,
+        })
+        .sum();
+    let released: usize = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Settle(Settle::Release {
+                ids,
+                reason: "rate_limit",
+                ..
+            }) => Some(ids.len()),
+            _ => None,
+        })
+        .sum::<usize>()
+        // Each record is a claim of its own here: the releases past the settling slots wait.
+        + r.m.settle.records();
+    let held = r.m.held.len();
+    assert_eq!(sent, 1, "{commands:?}");
+    assert_eq!(sent + held + released, 100);
+    assert!(
+        (within - 1..=within).contains(&held),
+        "{held} held, a token a second within {within} s"
+    );
+}
