@@ -109,6 +109,10 @@ impl PausedHead {
         if began.0 != inner.forgotten {
             return;
         }
+        // A record found due at `first` may lie up to 1 ms before it: a due instant in .NET
+        // ticks is rounded up to the millisecond, and others in that millisecond may be
+        // claimable still (past the batch, or their take failed). From the one before.
+        let first = first.map(|f| DateTime::from_millis(f.timestamp_millis().saturating_sub(1)));
         let bound = first.unwrap_or(to).min(now).timestamp_millis();
         match (read_from, inner.head.as_mut()) {
             (None, _) => {
@@ -193,7 +197,7 @@ mod tests {
         read(&h, began, None, 10_000, Some(4_000), 12_000, t0);
         assert_eq!(
             h.start_at(&paused(), t0).0,
-            Some(at(4_000)),
+            Some(at(3_999)),
             "a read begun after it sets one"
         );
     }
@@ -208,15 +212,35 @@ mod tests {
             "nothing known: from the start"
         );
         read(&h, h.began(), None, 10_000, Some(4_000), 12_000, t0);
-        assert_eq!(h.start_at(&paused(), t0).0, Some(at(4_000)));
-        read(&h, h.began(), Some(4_000), 11_000, Some(6_000), 13_000, t0);
-        assert_eq!(h.start_at(&paused(), t0).0, Some(at(6_000)));
+        assert_eq!(h.start_at(&paused(), t0).0, Some(at(3_999)));
+        read(&h, h.began(), Some(3_999), 11_000, Some(6_000), 13_000, t0);
+        assert_eq!(h.start_at(&paused(), t0).0, Some(at(5_999)));
         // Nothing found: up to the server's now, never into the look-ahead.
-        read(&h, h.began(), Some(6_000), 12_000, None, 14_000, t0);
+        read(&h, h.began(), Some(5_999), 12_000, None, 14_000, t0);
         assert_eq!(h.start_at(&paused(), t0).0, Some(at(12_000)));
         // A slice read past the bound leaves it.
         read(&h, h.began(), Some(20_000), 30_000, None, 32_000, t0);
         assert_eq!(h.start_at(&paused(), t0).0, Some(at(12_000)));
+    }
+
+    /// Found in review (helper-26): the bound was the millisecond the first record found was
+    /// due at, which for a `Time` in .NET ticks is rounded up; the next read, from there,
+    /// passed over records between the ticks and that millisecond that this claim did not
+    /// take (a batch cut within one millisecond), for up to `FULL_READ_EVERY`.
+    #[test]
+    fn the_bound_lies_before_the_millisecond_a_record_was_rounded_up_to() {
+        let h = PausedHead::default();
+        let t0 = Instant::now();
+        // Ticks at 3,999.5 ms: due at 4,000.
+        let due = crate::record::ticks_to_ms(crate::record::ms_to_ticks(3_999) + 5_000);
+        assert_eq!(due, 4_000);
+        read(&h, h.began(), None, 10_000, Some(due), 12_000, t0);
+        let from = h.start_at(&paused(), t0).0.expect("a bound");
+        assert!(
+            crate::record::ms_to_ticks(from.timestamp_millis())
+                <= crate::record::ms_to_ticks(3_999) + 5_000,
+            "the next read starts past the record's ticks: {from}"
+        );
     }
 
     #[test]
