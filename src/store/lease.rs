@@ -259,10 +259,12 @@ pub fn expired_among(ids: &[Bson], now: DateTime) -> Document {
 }
 
 /// Records locked with no lease expiry (missing or null): what public ServiceConnect's own
-/// poller leaves when it dies between its `FindAndModify` and its delete. No lease ever
-/// frees them; the reaper does once it has seen them locked for a whole lease.
+/// poller leaves when it dies between its `FindAndModify` and its delete; or with one that is
+/// no date (a string, a number: no writer of the contract's), which no claim's `$lte` ever
+/// matches either. No lease ever frees them; the reaper does once it has seen them locked for
+/// a whole lease.
 pub fn stuck() -> Document {
-    doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: Bson::Null }
+    doc! { field::LOCKED: true, field::LOCK_EXPIRES_AT: { "$not": { "$type": "date" } } }
 }
 
 /// [`stuck`], restricted to `ids`, for the guarded free.
