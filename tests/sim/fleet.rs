@@ -671,6 +671,9 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, b
         let mut park_reasons = None;
         let due_ms = s.start_unix_ms + r.due_ms;
         let due = bson::DateTime::from_millis(due_ms);
+        // The instant the checker knows an ordinary record due at, worked out apart from
+        // timeoutd's decoder; a hostile one's is what the decoder makes of it.
+        let mut due_at = None;
         let (doc, expect) = match &r.kind {
             RecordKind::Ordinary { .. } | RecordKind::Unroutable => {
                 let destination = match &r.kind {
@@ -689,9 +692,13 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, b
                     TimeEncoding::Auto => d.chance(0.5),
                 };
                 let time = if dates {
+                    due_at = Some(due_ms);
                     Bson::DateTime(due)
                 } else {
-                    timeoutd::record::encode_time(due, TimeEncoding::DotnetTicks)
+                    // .NET's ticks, perhaps between two milliseconds: due at the next one.
+                    let ticks = timeoutd::record::ms_to_ticks(due_ms) + i64::from(r.due_ticks);
+                    due_at = Some(due_ms + i64::from(r.due_ticks > 0));
+                    Bson::Array(vec![Bson::Int64(ticks), Bson::Int32(0)])
                 };
                 let doc = doc! {
                     "_id": timeoutd::record::uuid_bson(id),
@@ -747,7 +754,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, b
                 } else {
                     rec.process_manager_id.hyphenated().to_string()
                 }),
-                Some(rec.due.timestamp_millis()),
+                due_at.or(Some(rec.due.timestamp_millis())),
             ),
             Err(_) => (None, None),
         };

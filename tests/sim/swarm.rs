@@ -125,6 +125,11 @@ pub struct RecordSpec {
     /// ([`crate::sim::mongo::MongoModel::insert_during_next_claim`]).
     #[serde(default)]
     pub during_claim: bool,
+    /// 100 ns ticks past `due_ms` (0 to 9,999), for a `Time` stored as .NET ticks, which .NET
+    /// writes to 100 ns: the record is due at the first millisecond at or after them
+    /// ([`Scenario::draw_ticks`]).
+    #[serde(default)]
+    pub due_ticks: u16,
 }
 
 /// A fault, at an instant of the simulation.
@@ -325,6 +330,7 @@ impl Scenario {
                     header_bytes: 0,
                     on_time: false,
                     during_claim: false,
+                    due_ticks: 0,
                 }
             })
             .collect();
@@ -408,6 +414,7 @@ impl Scenario {
         Self::draw_frames(seed, &mut knobs, &mut records);
         let on_time = Self::draw_on_time(seed, &knobs, destinations.len(), &faults, faults_end_ms);
         records.extend(on_time);
+        Self::draw_ticks(seed, &mut records);
         Scenario {
             seed,
             knobs,
@@ -419,6 +426,19 @@ impl Scenario {
             actions,
             reschedule_on_read,
             faults_end_ms,
+        }
+    }
+
+    /// Half the records due between two milliseconds, as .NET's ticks put them: the checker
+    /// knows such a record due at the next millisecond, which timeoutd must work out from
+    /// the ticks (rounded down, it went out up to 1 ms early). From a generator of its own,
+    /// as [`Scenario::draw_actions`].
+    fn draw_ticks(seed: u64, records: &mut [RecordSpec]) {
+        let mut d = Draw::new(seed ^ 0x71C6_5000);
+        for r in records.iter_mut() {
+            if d.chance(0.5) {
+                r.due_ticks = d.range(1, 9_999) as u16;
+            }
         }
     }
 
@@ -514,6 +534,7 @@ impl Scenario {
                     header_bytes: 0,
                     on_time: true,
                     during_claim: false,
+                    due_ticks: 0,
                 }
             })
             .collect::<Vec<_>>();
