@@ -850,7 +850,7 @@ mod tests {
         let park = {
             let parking = store.parking();
             let (id, raw) = (id.clone(), raw.clone());
-            tokio::spawn(async move {
+            crate::host::spawn(async move {
                 let owner = crate::host::uuid();
                 parking
                     .park(&id, &raw, owner, ParkReason::Unroutable, "returned", 5)
