@@ -43,6 +43,13 @@ pub const RESERVED_HEADERS: &[&str] = &[
     "Priority",
 ];
 
+/// Headers RabbitMQ reads as sender-selected distribution, an array of routing keys: never
+/// forwarded from stored headers. As the string a stored value becomes, the broker refuses the
+/// message and closes the channel (406), failing every publish pipelined behind it, and the
+/// record came back as the oldest due one to every claim of the fleet; as routing keys, they
+/// would send copies to other queues (helper-27).
+pub const BROKER_ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
+
 /// `TypeName` of every timeout message.
 pub const TYPE_NAME: &str = "ServiceConnect.Interfaces.TimeoutMessage";
 /// Header carrying the record id when `message_id = "stable"`.
@@ -253,6 +260,10 @@ pub fn build(
     let mut headers = FieldTable::default();
     for (key, value) in &record.headers {
         if RESERVED_HEADERS.contains(&key.as_str()) {
+            continue;
+        }
+        if BROKER_ROUTING_HEADERS.contains(&key.as_str()) {
+            tracing::warn!(timeout_id = %record.id, header = %key, "dropping header: RabbitMQ reads it as routing (sender-selected distribution)");
             continue;
         }
         let Ok(name) = ShortString::try_new(key.clone()) else {

@@ -137,7 +137,8 @@ pub fn any_bson(u: &mut Unstructured, depth: u32) -> Result<Bson> {
     })
 }
 
-/// A header name: ordinary, reserved, empty, dotted, or longer than an AMQP field name.
+/// A header name: ordinary, reserved, one RabbitMQ reads as routing, empty, dotted, or
+/// longer than an AMQP field name.
 fn header_key(u: &mut Unstructured) -> Result<String> {
     Ok(match u.int_in_range(0..=6)? {
         0 => (*u.choose(&[
@@ -145,6 +146,8 @@ fn header_key(u: &mut Unstructured) -> Result<String> {
             "CorrelationId",
             "TimeSent",
             "DestinationAddress",
+            "CC",
+            "BCC",
         ])?)
         .into(),
         1 => long_string(u, 256, 300)?,
@@ -328,6 +331,11 @@ pub fn check_protocol(
         }
         if !matches!(v, AMQPValue::LongString(_)) {
             return Err(format!("header {} is not a long string", k.as_str()));
+        }
+        // RabbitMQ reads these as routing keys: a string there makes it refuse the message
+        // and close the channel (406), and every publish pipelined behind it fails.
+        if matches!(k.as_str(), "CC" | "BCC") {
+            return Err(format!("header {} as a string", k.as_str()));
         }
     }
     let body: serde_json::Value =

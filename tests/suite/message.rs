@@ -186,6 +186,25 @@ fn a_double_header_is_printed_as_dotnet_prints_it() {
     }
 }
 
+/// Found in review (helper-27): a stored `CC` or `BCC` header was forwarded as a string.
+/// RabbitMQ reads both as routing keys and refuses a string there, closing the channel:
+/// every publish pipelined behind it failed, and the record came back to every claim.
+#[test]
+fn headers_the_broker_reads_as_routing_are_not_forwarded() {
+    let mut r = record();
+    r.headers = doc! { "CC": "audit", "BCC": "x", "Tenant": "acme" };
+    let m = build(
+        &r,
+        &RabbitConfig::default(),
+        SystemTime::UNIX_EPOCH,
+        DEFAULT_FRAME_MAX,
+    )
+    .unwrap();
+    assert_eq!(header(&m, "CC"), None);
+    assert_eq!(header(&m, "BCC"), None);
+    assert_eq!(header(&m, "Tenant").as_deref(), Some("acme"));
+}
+
 #[test]
 fn a_routing_key_longer_than_amqp_allows_is_unsendable() {
     let mut r = record();
