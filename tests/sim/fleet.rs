@@ -163,16 +163,7 @@ impl World {
         {
             return Some(r);
         }
-        let headers = props.headers().as_ref()?;
-        let corr = headers.inner().get("CorrelationId")?;
-        let text = match corr {
-            lapin::types::AMQPValue::LongString(s) => {
-                String::from_utf8_lossy(s.as_bytes()).into_owned()
-            }
-            lapin::types::AMQPValue::ShortString(s) => s.as_str().to_string(),
-            _ => return None,
-        };
-        c.record_of(&text)
+        c.record_of(&correlation_id(props)?)
     }
 
     fn published(
@@ -193,6 +184,9 @@ impl World {
             ),
         );
         let record = record?;
+        let correlation = correlation_id(props);
+        self.checker()
+            .sent_as(at, instance, &record, routing_key, correlation.as_deref());
         let server_ms = models::server_ms(&self.mongo);
         let id = self.checker().id_of(&record);
         let doc = id.and_then(|id| models::doc(&self.mongo, &self.timeouts, &id));
@@ -228,6 +222,18 @@ impl World {
         if routed && let Some(record) = record {
             self.checker().delivered(instance, record);
         }
+    }
+}
+
+/// A message's `CorrelationId` header, as text.
+fn correlation_id(props: &BasicProperties) -> Option<String> {
+    let headers = props.headers().as_ref()?;
+    match headers.inner().get("CorrelationId")? {
+        lapin::types::AMQPValue::LongString(s) => {
+            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        }
+        lapin::types::AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+        _ => None,
     }
 }
 
@@ -674,6 +680,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, b
         // The instant the checker knows an ordinary record due at, worked out apart from
         // timeoutd's decoder; a hostile one's is what the decoder makes of it.
         let mut due_at = None;
+        let mut sent_as = None;
         let (doc, expect) = match &r.kind {
             RecordKind::Ordinary { .. } | RecordKind::Unroutable => {
                 let destination = match &r.kind {
@@ -686,6 +693,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, b
                 };
                 let id = uuid::Uuid::from_u64_pair(d.next(), d.next());
                 let pm = uuid::Uuid::from_u64_pair(d.next(), n as u64);
+                sent_as = Some((destination.clone(), pm.hyphenated().to_string()));
                 let dates = match encoding {
                     TimeEncoding::Date => true,
                     TimeEncoding::DotnetTicks => false,
@@ -772,6 +780,7 @@ fn documents(s: &Scenario, config: &Config) -> Vec<(Document, RecordInfo, u64, b
             park_reasons,
             on_time_ms: r.on_time.then(|| s.on_time_ms() as i64),
             inserted_server_ms: 0,
+            sent_as,
         };
         out.push((doc, info, r.insert_at_ms, r.during_claim));
     }

@@ -12,6 +12,8 @@
 //!   by the server clock, to an owner another instance took;
 //!   (a publish by an instance paused within the last lease is counted, not failed: a pause
 //!   between the lease check and the write lets any lease run out, and no client can tell);
+//! - `misrouted`: an ordinary record's message goes to its own `Destination` and carries its
+//!   own `ProcessManagerId` as `CorrelationId` (known from the scenario);
 //! - `early`: nothing reaches the broker before its due instant by the server clock, less
 //!   any step back of the server clock since the instance last asked for a reading (a step
 //!   it cannot see: `stolen-lease` allows the same); a record the operator rescheduled while
@@ -113,6 +115,10 @@ pub struct RecordInfo {
     pub on_time_ms: Option<i64>,
     /// The server's clock when it was inserted.
     pub inserted_server_ms: i64,
+    /// For an ordinary record: the queue its message goes to (its `Destination`) and the
+    /// `CorrelationId` it carries (its `ProcessManagerId` as .NET prints it), known from the
+    /// scenario, not from timeoutd's decoder.
+    pub sent_as: Option<(String, String)>,
 }
 
 /// `doc` without the named fields (for shorter messages).
@@ -528,6 +534,31 @@ impl Checker {
 
     /// A publish from `instance` reached the broker, with the record's document as the
     /// database holds it now and the server's clock.
+    /// A publish of `record` went to `routing_key` carrying `correlation_id`: another
+    /// record's queue or saga would confirm, the record be removed, and its own saga never
+    /// woken, with nothing else to show it (helper-28).
+    pub fn sent_as(
+        &mut self,
+        at_ms: u64,
+        instance: usize,
+        record: &str,
+        routing_key: &str,
+        correlation_id: Option<&str>,
+    ) {
+        let Some((destination, correlation)) =
+            self.records.get(record).and_then(|r| r.sent_as.clone())
+        else {
+            return;
+        };
+        self.bump("routes-checked");
+        if routing_key != destination || correlation_id != Some(correlation.as_str()) {
+            let d = format!(
+                "instance {instance} published {record} to {routing_key:?} with CorrelationId {correlation_id:?}; it is for {destination:?}, saga {correlation}"
+            );
+            self.fail(at_ms, "misrouted", d);
+        }
+    }
+
     pub fn published(
         &mut self,
         at_ms: u64,
