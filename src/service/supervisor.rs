@@ -135,6 +135,15 @@ impl Supervisor {
         if drained.is_err() {
             tracing::warn!(timeout = ?drain, "tasks did not stop in time; the leases they hold will expire");
         }
+        // A task that handled its own failure (the dispatch loop contains a panic, records
+        // it and starts shutdown) and had not ended by the deadline: the process still
+        // failed (helper-27: it exited 0, and `Restart=on-failure` left it down).
+        if failure.is_none()
+            && let Some(task) = self.health.failed_task()
+        {
+            let how = "failed, and did not stop in time".to_string();
+            failure = Some(TaskFailed { task, how });
+        }
         (failure.map_or(Ok(()), Err), deadline)
     }
 
@@ -209,5 +218,26 @@ mod tests {
             drained.load(std::sync::atomic::Ordering::SeqCst),
             "the drain ended before the dispatch loop did"
         );
+    }
+
+    /// Found in review (helper-27): a task that records its own failure and starts shutdown
+    /// (the dispatch loop, containing a panic) but outlasts the drain's deadline left no
+    /// failure to return, and the daemon exited 0.
+    #[tokio::test(start_paused = true)]
+    async fn a_task_that_failed_and_outlasts_the_drain_is_a_failure() {
+        let shutdown = CancellationToken::new();
+        let health = Arc::new(Health::new(Duration::from_secs(1)));
+        let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
+        tasks.spawn("dispatch", {
+            let (shutdown, health) = (shutdown.clone(), health.clone());
+            async move {
+                health.fail("dispatch");
+                shutdown.cancel();
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Err::<(), _>("a dispatch handler panicked")
+            }
+        });
+        let (result, _) = tasks.watch(Duration::from_secs(25)).await;
+        assert_eq!(result.map_err(|f| f.task), Err("dispatch"));
     }
 }
