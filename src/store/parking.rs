@@ -484,6 +484,16 @@ mod tests {
         }
     }
 
+    /// A write's reply: `n` documents matched, modified or deleted.
+    fn written(n: u64) -> Result<Reply, MongoError> {
+        Ok(Reply::Written(Written {
+            matched: n,
+            modified: n,
+            deleted: n,
+            ..Written::default()
+        }))
+    }
+
     /// A flat filter (equality and `$ne`) on one document.
     fn matches(filter: &Document, d: &Document) -> bool {
         filter.iter().all(|(k, v)| match v {
@@ -527,14 +537,6 @@ mod tests {
                 .iter()
                 .find(|(_, d)| matches(op_filter(&op), d))
                 .map(|(k, _)| k.clone());
-            let written = |matched: u64| {
-                Ok(Reply::Written(Written {
-                    matched,
-                    modified: matched,
-                    deleted: matched,
-                    ..Written::default()
-                }))
-            };
             match op {
                 Op::Replace {
                     replacement,
@@ -722,14 +724,6 @@ mod tests {
         let parked = stored.clone();
         let backend = crate::store::backend::Answering::new(move |op: Op| {
             let mut parked = parked.lock().unwrap_or_else(|e| e.into_inner());
-            let written = |n: u64| {
-                Ok(Reply::Written(Written {
-                    matched: n,
-                    modified: n,
-                    deleted: n,
-                    ..Written::default()
-                }))
-            };
             match op {
                 // The record is back in `Timeouts`, held by the park.
                 Op::Insert { .. } => Err(write_error(11000)),
@@ -778,14 +772,6 @@ mod tests {
         let backend = crate::store::backend::Answering::new(move |op: Op| {
             use crate::store::backend::Answer;
             let mut parked = coll.lock().unwrap_or_else(|e| e.into_inner());
-            let written = |n: u64| {
-                Ok(Reply::Written(Written {
-                    matched: n,
-                    modified: n,
-                    deleted: n,
-                    ..Written::default()
-                }))
-            };
             let found = |f: &Document, parked: &HashMap<String, Document>| {
                 parked
                     .iter()
