@@ -339,11 +339,11 @@ async fn wait_for_mongodb(
     let mut pacing = Pacing::new(store.operation_timeout());
     loop {
         // Liveness is about the process, not about MongoDB (readiness reports that): the
-        // attempt below is two calls, each bounded by operation_timeout, so while it runs the
-        // process does what it should, and a restart would not bring MongoDB back. Liveness
-        // counts from the attempt's deadline; an attempt that overran it would still turn
-        // /healthz 503.
-        health.waiting(store.operation_timeout().saturating_mul(2));
+        // attempt below is four calls (the clock's three `hello`s and the pauses), each
+        // bounded by operation_timeout, so while it runs the process does what it should, and
+        // a restart would not bring MongoDB back. Liveness counts from the attempt's
+        // deadline; an attempt that overran it would still turn /healthz 503.
+        health.waiting(store.operation_timeout().saturating_mul(4));
         let reached = async {
             let offset = monitor::read_server_clock(store, health).await?;
             let pauses = store.bounded("read pauses", store.read_control()).await?;
@@ -374,6 +374,45 @@ async fn wait_for_mongodb(
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Found in review (helper-27): the allowance for a start-up attempt was two calls, but
+    /// an attempt is four (three `hello`s for the clock, and the pauses). Against a server
+    /// that answers each `hello` in 9 s (default `operation_timeout`, 10 s), `/healthz` read
+    /// 503 from about 23 s to 28 s of the attempt. Sampled as the probe does, on virtual time.
+    #[tokio::test(start_paused = true)]
+    async fn liveness_holds_through_an_attempt_against_a_slow_server() {
+        use crate::store::backend::{Answer, Answering, Op, Reply};
+        let slow = Duration::from_secs(9);
+        let ops = |_: Op| Answer::After(Duration::from_secs(1), Ok(Reply::Docs(Vec::new())));
+        let hello = move |_| {
+            let now = bson::DateTime::from_millis(1_800_000_000_000);
+            Answer::After(slow, Ok(bson::doc! { "ok": 1, "localTime": now }))
+        };
+        let config = Config::default();
+        let store = Store::with_backend(
+            Arc::new(Answering(ops, hello)),
+            &config.mongodb,
+            ServerClock::default(),
+        );
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let start = crate::host::spawn({
+            let health = health.clone();
+            async move { wait_for_mongodb(&store, &health, &CancellationToken::new()).await }
+        });
+        let mut dead = Vec::new();
+        for sample in 1..=80 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if !health.is_live() {
+                dead.push(sample);
+            }
+        }
+        assert!(dead.is_empty(), "/healthz 503 at samples {dead:?} of 80");
+        let ended = tokio::time::timeout(Duration::from_secs(60), start).await;
+        assert!(
+            matches!(ended, Ok(Ok(Some(_)))),
+            "the attempt succeeds: {ended:?}"
+        );
+    }
 
     /// A start-up whose first read of the pauses fails reads them again before it goes on:
     /// the dispatch loop must not start without the pauses in force.
