@@ -171,7 +171,7 @@ pub const SERIES: &[Series] = &[
     counter("timeoutd_removed_total", "Records deleted from Timeouts after a confirmed publish."),
     counter(
         "timeoutd_publish_failures_total",
-        "Publishes that failed, by reason (returned: no queue bound to the destination).",
+        "Publishes that failed, by reason (returned: no queue bound to the destination; connection: the link failed during the publish, or was down, waiting out its reconnect back-off, when the record fell due, so that it was released untried for an instance whose broker answers).",
     )
     .by("reason", PUBLISH_FAILURE_REASONS),
     counter(
@@ -273,13 +273,16 @@ pub const SERIES: &[Series] = &[
     ),
     counter(
         "timeoutd_stuck_locks_freed_total",
-        "Records locked without a lease expiry (left by another dispatcher) that the reaper freed.",
+        "Records locked without a lease expiry, or with one that is no date (left by another dispatcher or writer), that the reaper freed.",
     ),
     gauge(
         "timeoutd_unschedulable_records",
         "Records whose Time no branch of the due query matches, at the last census.",
     ),
-    gauge("timeoutd_stuck_locks", "Records locked without a lease expiry, at the last census."),
+    gauge(
+        "timeoutd_stuck_locks",
+        "Records locked without a lease expiry, or with one that is no date, at the last census.",
+    ),
     gauge(
         "timeoutd_odd_locked_records",
         "Records whose Locked is missing or not a boolean and whose LockExpiresAt is no date, at the last census: no claim takes them, so they never fire until fixed.",
