@@ -375,6 +375,19 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Samples liveness `n` times, every half second as the probe does: the samples at which
+    /// `/healthz` would have answered 503.
+    async fn dead_samples(health: &Health, n: usize) -> Vec<usize> {
+        let mut dead = Vec::new();
+        for sample in 1..=n {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if !health.is_live() {
+                dead.push(sample);
+            }
+        }
+        dead
+    }
+
     /// Found in review (helper-27): the allowance for a start-up attempt was two calls, but
     /// an attempt is four (three `hello`s for the clock, and the pauses). Against a server
     /// that answers each `hello` in 9 s (default `operation_timeout`, 10 s), `/healthz` read
@@ -399,13 +412,7 @@ mod tests {
             let health = health.clone();
             async move { wait_for_mongodb(&store, &health, &CancellationToken::new()).await }
         });
-        let mut dead = Vec::new();
-        for sample in 1..=80 {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            if !health.is_live() {
-                dead.push(sample);
-            }
-        }
+        let dead = dead_samples(&health, 80).await;
         assert!(dead.is_empty(), "/healthz 503 at samples {dead:?} of 80");
         let ended = tokio::time::timeout(Duration::from_secs(60), start).await;
         assert!(
@@ -494,13 +501,7 @@ mod tests {
             let (health, shutdown) = (health.clone(), shutdown.clone());
             async move { wait_for_mongodb(&store, &health, &shutdown).await }
         });
-        let mut dead = Vec::new();
-        for sample in 1..=90 {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            if !health.is_live() {
-                dead.push(sample);
-            }
-        }
+        let dead = dead_samples(&health, 90).await;
         assert!(dead.is_empty(), "/healthz 503 at samples {dead:?} of 90");
         assert!(!waiting.is_finished(), "MongoDB never answered");
         shutdown.cancel();
