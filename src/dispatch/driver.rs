@@ -254,8 +254,9 @@ impl Dispatcher {
             return true;
         }
         tracing::error!(panic = %what, "dispatch handler panicked; releasing what is held and stopping");
+        // Counted once, by the supervisor, when the loop ends with the failure or outlasts
+        // the drain.
         self.health.fail("dispatch");
-        m::task_failure("dispatch");
         self.failed = Some(what);
         self.shutdown.cancel();
         false

@@ -141,6 +141,7 @@ impl Supervisor {
         if failure.is_none()
             && let Some(task) = self.health.failed_task()
         {
+            m::task_failure(task);
             let how = "failed, and did not stop in time".to_string();
             failure = Some(TaskFailed { task, how });
         }

@@ -325,6 +325,65 @@ async fn systemd_notify_and_health_follow_a_stalled_database() {
     env.cleanup().await;
 }
 
+/// Found in review: `READY=1` skipped because a watchdog notification was still stuck on a
+/// full notify socket was marked sent, and never sent again. systemd would have stopped the
+/// unit at `TimeoutStartSec`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_skipped_behind_a_stuck_notification_is_sent_again() {
+    let env = TestEnv::new().await;
+    // MongoDB does not answer at first: the instance is live but not ready, and petting the
+    // watchdog is what gets stuck.
+    let proxy = Proxy::start(&host_port(&mongo_uri())).await;
+    proxy.set(Mode::Stall);
+    let mut config = env.config();
+    config.mongodb.uri = with_query(&proxy.rewrite(&mongo_uri()), "directConnection=true");
+    config.mongodb.operation_timeout = Duration::from_secs(1);
+    let notify = NotifySocket::new();
+    // Fill the socket's queue, as a systemd that does not read would leave it: the first
+    // notification blocks, and later ones are skipped while it is stuck.
+    let filler = tokio::net::UnixDatagram::unbound().unwrap();
+    while filler.try_send_to(b"FILLER=1", &notify.path).is_ok() {}
+    let mut vars = env.env_vars(&config);
+    vars.push(("NOTIFY_SOCKET".into(), notify.path.to_str().unwrap().into()));
+    vars.push(("WATCHDOG_USEC".into(), "1000000".into()));
+    let mut d = spawn(vars).await;
+    let skipped = || d.logs_containing("skipping one").len();
+    assert!(
+        eventually(Duration::from_secs(20), || async { skipped() > 0 }).await,
+        "a watchdog notification is stuck before the instance is ready: {:#?}",
+        d.logs()
+    );
+    proxy.set(Mode::Forward);
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            d.get("/readyz").await.0 == 200
+        })
+        .await,
+        "{:#?}",
+        d.logs()
+    );
+    // Two more skips after readiness: the first check after it (READY=1) has come and gone.
+    let before = skipped();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            skipped() >= before + 2
+        })
+        .await,
+        "{:#?}",
+        d.logs()
+    );
+    // Reading the socket frees it, as systemd would.
+    assert!(
+        notify.expect("READY=1", Duration::from_secs(5)).await,
+        "READY=1 is sent once the socket takes notifications again: {:#?}",
+        d.logs()
+    );
+    d.sigterm();
+    assert_eq!(d.wait(Duration::from_secs(20)).await.code(), Some(0));
+    proxy.set(Mode::Forward);
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_name_each_record_with_its_destination_and_owner() {
     let env = TestEnv::new().await;
@@ -465,9 +524,19 @@ async fn a_panic_stops_the_daemon_unhealthy_with_its_records_released(task: &str
         d.logs()
     );
     assert_eq!(d.get("/readyz").await.0, 503);
+    // `timeoutd_up` turns 0 when the supervisor has counted the failure: counted once, not
+    // also by the dispatch loop that contained its panic.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            d.metrics().await.lines().any(|l| l == "timeoutd_up 0")
+        })
+        .await,
+        "the supervisor saw the {task} fail: {:#?}",
+        d.logs()
+    );
     let metrics = d.metrics().await;
     let failures = format!("timeoutd_task_failures_total{{task=\"{task}\"}}");
-    assert!(series(&metrics, &failures) >= 1.0, "{metrics}");
+    assert_eq!(series(&metrics, &failures), 1.0, "{metrics}");
     let status = d.wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(1), "exits non-zero: {:#?}", d.logs());
     assert_eq!(
