@@ -22,8 +22,8 @@ pub async fn run(health: Arc<Health>, shutdown: CancellationToken) {
     let mut was_live = true;
     loop {
         if !ready && health.readiness().ready {
-            send(&[NotifyState::Ready, NotifyState::Status("dispatching")]).await;
-            ready = true;
+            // Sent again at the next check if a send still stuck on the socket skipped it.
+            ready = send(&[NotifyState::Ready, NotifyState::Status("dispatching")]).await;
         }
         let live = health.is_live();
         if let Some(period) = watchdog {
@@ -60,16 +60,18 @@ pub async fn stopping() {
 const SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Sends one notification from a blocking-pool thread, so that a full notify socket can never
-/// hold up the daemon's runtime; gives up on it after [`SEND_TIMEOUT`].
-async fn send(state: &[NotifyState<'static>]) {
+/// hold up the daemon's runtime; gives up waiting on it after [`SEND_TIMEOUT`] (the thread
+/// still hands it over when the socket takes it). Returns `false` if it was skipped because
+/// an earlier send is still stuck on the socket.
+async fn send(state: &[NotifyState<'static>]) -> bool {
     if std::env::var_os("NOTIFY_SOCKET").is_none() {
-        return;
+        return true;
     }
     // At most one send at a time: a send stuck on a full socket is not joined by more.
     static SENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if SENDING.swap(true, std::sync::atomic::Ordering::AcqRel) {
         tracing::warn!("systemd's notify socket has not taken the last notification; skipping one");
-        return;
+        return false;
     }
     // Cleared when the send ends however it ends: a panic in it, or a closure the blocking
     // pool drops without running (the runtime shutting down), would otherwise leave the flag
@@ -92,4 +94,5 @@ async fn send(state: &[NotifyState<'static>]) {
         Ok(Err(e)) => tracing::warn!(error = %e, "could not notify systemd"),
         Err(_) => tracing::warn!("systemd's notify socket did not take a notification in time"),
     }
+    true
 }
