@@ -184,12 +184,10 @@ impl Store {
         actor: &Actor,
     ) -> Result<bool, StoreError> {
         let now = self.clock.now();
-        let was = self
-            .query(
-                self.control
-                    .delete_one(doc! { "_id": pause_id(destination) }),
-            )
-            .await?;
+        // The ramp before the pause goes: a pause overrides a ramp, so the instances that
+        // see the pause gone see the ramp too. Before (found in review), the deletion's
+        // change event let them claim the backlog at full rate until the ramp was written,
+        // and a ramp that failed to be written left none.
         if let Some(ramp) = ramp.filter(|r| !r.is_zero()) {
             let until = crate::store::lease::add(now, ramp);
             let doc = doc! {
@@ -208,6 +206,12 @@ impl Store {
             )
             .await?;
         }
+        let was = self
+            .query(
+                self.control
+                    .delete_one(doc! { "_id": pause_id(destination) }),
+            )
+            .await?;
         Ok(was.deleted == 1)
     }
 
@@ -299,5 +303,60 @@ impl Store {
             out.push((p, due, all));
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::config::MongoConfig;
+    use crate::store::backend::{Answering, Op, Reply, Written};
+    use crate::store::clock::ServerClock;
+
+    fn actor() -> Actor {
+        Actor {
+            host: "h".into(),
+            user: "u".into(),
+        }
+    }
+
+    /// `resume --ramp` deleted the pause before it wrote the ramp: the deletion woke every
+    /// instance, which claimed the destination's backlog at full rate until the ramp was
+    /// read, and a ramp that failed to be written left the destination resumed with none.
+    #[tokio::test(start_paused = true)]
+    async fn resume_writes_the_ramp_before_it_ends_the_pause() {
+        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let ops = asked.clone();
+        let backend = Answering::new(move |op: Op| {
+            ops.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(op.clone());
+            match op {
+                // The ramp cannot be written.
+                Op::Replace { .. } => Err(crate::store::backend::command_error(
+                    91,
+                    "ShutdownInProgress",
+                    "the server is shutting down",
+                )),
+                _ => Ok(Reply::Written(Written {
+                    deleted: 1,
+                    ..Written::default()
+                })),
+            }
+        });
+        let store = Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let ramp = Some(Duration::from_secs(600));
+        assert!(store.resume("q", ramp, &actor()).await.is_err());
+        let ops = asked.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(
+            !ops.iter().any(|op| matches!(op, Op::Delete { .. })),
+            "the pause was ended without its ramp: {ops:?}"
+        );
     }
 }
