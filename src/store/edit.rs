@@ -256,11 +256,16 @@ impl Store {
                 doc! { field::ID: id.clone(), field::TIME: old },
                 lease::claimable(expired_by),
             ]);
+            // A lease that ran out ends with the move: its holder's late removal, guarded by
+            // its owner, then misses the record, which fires at its new instant. Before
+            // (found in review), the record kept the owner, and a removal sent before the
+            // lease ran out and landing after the move deleted a record said `rescheduled`.
+            let mut set = doc! { field::TIME: new_time };
+            if d.get(field::LOCKED) != Some(&Bson::Boolean(false)) {
+                set.extend(lease::free_fields(self.uuids));
+            }
             let moved = self
-                .query(
-                    self.coll
-                        .update_one(filter, doc! { "$set": { field::TIME: new_time } }),
-                )
+                .query(self.coll.update_one(filter, doc! { "$set": set }))
                 .await?;
             if moved.matched == 1 {
                 outcomes.push(outcome(self, d, now, "rescheduled", shown));
@@ -441,6 +446,32 @@ mod tests {
             .filter(|op| !matches!(op, Op::Find { .. }))
             .count();
         assert_eq!(writes, 0, "{ops:?}");
+    }
+
+    /// `reschedule` of a record whose lease ran out kept its owner: the holder's removal,
+    /// sent before the lease ran out and landing after the move, deleted a record reported
+    /// `rescheduled` (found in review). The move now frees the record too.
+    #[tokio::test(start_paused = true)]
+    async fn reschedule_frees_a_record_whose_lease_ran_out() {
+        let server = DateTime::from_millis(NEW_YEAR_MS);
+        let id = crate::host::uuid();
+        let (store, ops) = leased_until_two_seconds_on(server, id);
+        // The lease ran out by the earliest the server's clock can read.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let moved = store
+            .reschedule(&Selector::Ids(vec![id]), Move::By(60_000), false)
+            .await;
+        assert_eq!(moved.expect("reschedule")[0].outcome, "rescheduled");
+        let ops = ops.lock().unwrap_or_else(|e| e.into_inner());
+        let set = ops.iter().find_map(|op| match op {
+            Op::Update { update, .. } => update.get_document("$set").ok().cloned(),
+            _ => None,
+        });
+        let set = set.expect("an update");
+        assert!(set.contains_key(field::TIME), "{set}");
+        assert_eq!(set.get(field::LOCKED), Some(&Bson::Boolean(false)), "{set}");
+        let owner = set.get(field::LOCKED_BY).and_then(guid::from_bson);
+        assert_eq!(owner, Some(Uuid::nil()), "{set}");
     }
 
     /// A free record that an instance claimed, sent and removed between `cancel`'s read and

@@ -220,11 +220,16 @@ pub fn held_many(ids: &[Bson], owner: Uuid, now: DateTime) -> Document {
 /// Makes a record free again: the only shape ServiceConnect v7 accepts for a free record
 /// (the nil GUID in the fleet's representation).
 pub fn release_update(uuids: UuidRepresentation) -> Document {
-    doc! { "$set": {
+    doc! { "$set": free_fields(uuids) }
+}
+
+/// The lock fields of a free record, the nil GUID in `uuids`.
+pub fn free_fields(uuids: UuidRepresentation) -> Document {
+    doc! {
         field::LOCKED: false,
         field::LOCKED_BY: guid::to_bson(Uuid::nil(), uuids),
         field::LOCK_EXPIRES_AT: Bson::Null,
-    } }
+    }
 }
 
 /// A stored record in the free shape, as [`release_update`] leaves it (for parking and
@@ -235,9 +240,7 @@ pub fn as_free(mut record: Document) -> Document {
         .get(field::ID)
         .and_then(guid::representation_of)
         .unwrap_or_default();
-    record.insert(field::LOCKED, false);
-    record.insert(field::LOCKED_BY, guid::to_bson(Uuid::nil(), uuids));
-    record.insert(field::LOCK_EXPIRES_AT, Bson::Null);
+    record.extend(free_fields(uuids));
     record
 }
 
