@@ -469,7 +469,7 @@ async fn requeue_never_deletes_a_parked_copy_made_again_meanwhile() {
     fail::cfg("requeue-after-insert", "1*return(1500)").unwrap();
     let requeue = {
         let parking = parking.clone();
-        tokio::spawn(async move { parking.requeue_parked(&first_copy).await })
+        tokio::spawn(async move { parking.requeue_parked(&first_copy, false).await })
     };
     assert!(
         eventually(Duration::from_secs(10), || async {
@@ -575,7 +575,7 @@ async fn parking_on_a_lost_lease_leaves_no_parked_copy_and_keeps_the_count() {
             .unwrap(),
         1
     );
-    assert_eq!(parking.requeue(&row.id).await.unwrap(), None);
+    assert_eq!(parking.requeue(&row.id, false).await.unwrap(), None);
     assert_eq!(env.count(doc! { "_id": uuid(id) }).await, 0);
     env.cleanup().await;
 }

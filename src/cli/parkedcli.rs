@@ -26,6 +26,10 @@ pub enum ParkedCommand {
         /// Requeue every parked record.
         #[arg(long)]
         all: bool,
+        /// Put back a record an earlier requeue was cut short on (it may have put it back,
+        /// and it may have fired since).
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         change: Change,
     },
@@ -73,6 +77,9 @@ impl Done {
             "unreadable" => {
                 format!("{id} holds no record with its id; left parked as it is")
             }
+            "requeued_before" => format!(
+                "{id}: an earlier requeue of it was cut short or runs now; it may have put the record back, and the record may have fired since (see `history`). Left parked: `parked requeue --force {id}` puts it back anyway, `parked drop {id}` drops it"
+            ),
             "would_requeue" => format!("would requeue {id} (dry run)"),
             "would_drop" => format!("would drop {id} (dry run)"),
             "dropped" => format!("dropped {id}"),
@@ -112,7 +119,12 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
             }
             Ok(())
         }
-        ParkedCommand::Requeue { id, all, change } => {
+        ParkedCommand::Requeue {
+            id,
+            all,
+            force,
+            change,
+        } => {
             let ids = match id {
                 Some(shown) => vec![find(shown).await?],
                 None => store.bounded("list", parking.all_ids()).await?,
@@ -122,11 +134,12 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
                 let outcome = if change.dry_run {
                     "would_requeue"
                 } else {
-                    match store.bounded("requeue", parking.requeue(id)).await? {
+                    match store.bounded("requeue", parking.requeue(id, force)).await? {
                         Some(Requeued::Requeued) => "requeued",
                         Some(Requeued::AlreadyInTimeouts) => "already_in_timeouts",
                         Some(Requeued::ParkedAgain) => "parked_again",
                         Some(Requeued::Unreadable) => "unreadable",
+                        Some(Requeued::RequeuedBefore) => "requeued_before",
                         None => "gone",
                     }
                 };
@@ -135,7 +148,7 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
                     outcome,
                 });
             }
-            let details = doc! { "all": all };
+            let details = doc! { "all": all, "force": force };
             report(store, "parked requeue", &change, &done, details).await
         }
         ParkedCommand::Drop { id, change } => {
@@ -177,7 +190,7 @@ async fn report(
     }
     let changed: Vec<&str> = done
         .iter()
-        .filter(|d| !["gone", "unreadable"].contains(&d.outcome))
+        .filter(|d| !["gone", "unreadable", "requeued_before"].contains(&d.outcome))
         .map(|d| d.id.as_str())
         .collect();
     let actor = Actor::current();

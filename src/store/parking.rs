@@ -128,6 +128,9 @@ pub enum Requeued {
     /// The parked copy holds no record with its `_id` (it was not written by a park): left
     /// as it is, and nothing put into `Timeouts`.
     Unreadable,
+    /// An earlier requeue of this copy was cut short, or one runs now: it may have put the
+    /// record back, and the record may have fired since. Not put back again unless forced.
+    RequeuedBefore,
 }
 
 /// Access to the parking and attempts collections; cheap to clone.
@@ -368,17 +371,22 @@ impl Parking {
     /// Puts parked record `id` back into `Timeouts`, free and in its original shape, and
     /// resets its count. The insert comes first, so a crash leaves two copies, not none.
     /// `None` if no such record is parked.
-    pub async fn requeue(&self, id: &Bson) -> Result<Option<Requeued>, StoreError> {
+    /// `force` puts back a copy an earlier requeue marked ([`Requeued::RequeuedBefore`]).
+    pub async fn requeue(&self, id: &Bson, force: bool) -> Result<Option<Requeued>, StoreError> {
         let Some(parked) = self.parked.find_one(doc! { field::ID: id.clone() }).await? else {
             return Ok(None);
         };
-        self.requeue_parked(&parked).await.map(Some)
+        self.requeue_parked(&parked, force).await.map(Some)
     }
 
     /// [`Parking::requeue`] of the parked copy `parked` as it was read. The parked copy is
     /// then deleted only if it is still that copy: a daemon may claim the requeued record,
     /// fail again and park it again in between, and that new parked copy is the only one left.
-    pub async fn requeue_parked(&self, parked: &Document) -> Result<Requeued, StoreError> {
+    pub async fn requeue_parked(
+        &self,
+        parked: &Document,
+        force: bool,
+    ) -> Result<Requeued, StoreError> {
         let id = parked.get(field::ID).cloned().unwrap_or(Bson::Null);
         // Only the record a park wrote, under its own `_id`: anything else would put a
         // document into `Timeouts` that is no record of it.
@@ -391,13 +399,22 @@ impl Parking {
             field::ID: id.clone(),
             parked_field::PARK_ID: parked.get(parked_field::PARK_ID).cloned().unwrap_or(Bson::Null),
         };
-        // Marked first: a park of the record once it is back may replace this copy.
-        self.parked
-            .update_one(
-                this_copy.clone(),
-                doc! { "$set": { parked_field::REQUEUED: true } },
-            )
+        // Marked first: a park of the record once it is back may replace this copy. Only
+        // one requeue marks it: a copy marked already is one an earlier requeue, cut short
+        // after its insert (a deadline, a Ctrl-C) or running now, may have put back, and the
+        // record may have fired since. Before (found in review), running the requeue again,
+        // as its error invited, put the record back and it fired a second time.
+        let mut unmarked = this_copy.clone();
+        if !force {
+            unmarked.insert(parked_field::REQUEUED, doc! { "$ne": true });
+        }
+        let marked = self
+            .parked
+            .update_one(unmarked, doc! { "$set": { parked_field::REQUEUED: true } })
             .await?;
+        if marked.matched == 0 && !force {
+            return Ok(Requeued::RequeuedBefore);
+        }
         let outcome = match self.timeouts.insert_one(lease::as_free(record)).await {
             Ok(_) => Requeued::Requeued,
             Err(e) if is_duplicate_key(&e) => Requeued::AlreadyInTimeouts,
@@ -697,7 +714,7 @@ mod tests {
                 &MongoConfig::default(),
                 ServerClock::default(),
             );
-            let outcome = store.parking().requeue(&id).await.expect("requeue");
+            let outcome = store.parking().requeue(&id, false).await.expect("requeue");
             assert_eq!(outcome, Some(Requeued::Unreadable));
             let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
             assert!(
@@ -705,6 +722,59 @@ mod tests {
                 "{ops:?}"
             );
         }
+    }
+
+    /// Found in review (helper-30): a requeue cut short after its insert (the CLI's deadline,
+    /// a Ctrl-C) left the parked copy, and running it again, as its error invited, put back
+    /// a record that had fired meanwhile: it fired twice. The second run now leaves it,
+    /// unless forced.
+    #[tokio::test(start_paused = true)]
+    async fn a_requeue_run_again_after_one_cut_short_puts_nothing_back_unless_forced() {
+        use crate::store::backend::Answer;
+        let id = crate::record::uuid_bson(crate::host::uuid());
+        let copy = doc! {
+            field::ID: id.clone(),
+            parked_field::PARK_ID: 1,
+            parked_field::RECORD: { field::ID: id.clone(), field::DESTINATION: "q" },
+        };
+        let stored = Arc::new(Mutex::new(copy));
+        let inserts = Arc::new(Mutex::new(0));
+        let (parked, inserted) = (stored.clone(), inserts.clone());
+        let backend = crate::store::backend::Answering::new(move |op: Op| {
+            let mut parked = parked.lock().unwrap_or_else(|e| e.into_inner());
+            let mut inserted = inserted.lock().unwrap_or_else(|e| e.into_inner());
+            match op {
+                Op::Find { .. } => Answer::Now(Ok(Reply::Docs(vec![parked.clone()]))),
+                Op::Update { filter, update, .. } if matches(&filter, &parked) => {
+                    parked.extend(update.get_document("$set").cloned().unwrap_or_default());
+                    Answer::Now(written(1))
+                }
+                Op::Update { .. } => Answer::Now(written(0)),
+                Op::Insert { .. } => {
+                    *inserted += 1;
+                    Answer::Now(written(1))
+                }
+                // The first run is cut short before it deletes the failed-send count.
+                Op::Delete { .. } if *inserted == 1 => Answer::Never,
+                Op::Delete { .. } => Answer::Now(written(1)),
+                other => panic!("not modelled: {other:?}"),
+            }
+        });
+        let store = crate::store::Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            crate::store::clock::ServerClock::default(),
+        );
+        let parking = store.parking();
+        let first = tokio::time::timeout(Duration::from_secs(5), parking.requeue(&id, false));
+        assert!(first.await.is_err(), "the first requeue is cut short");
+        // The record put back fires and is removed; the operator runs the requeue again.
+        let again = parking.requeue(&id, false).await.expect("requeue");
+        assert_eq!(again, Some(Requeued::RequeuedBefore));
+        assert_eq!(*inserts.lock().unwrap(), 1, "put back a second time");
+        let forced = parking.requeue(&id, true).await.expect("requeue --force");
+        assert_eq!(forced, Some(Requeued::Requeued));
+        assert_eq!(*inserts.lock().unwrap(), 2);
     }
 
     /// Found in review: a requeue racing a park of the record it put back. The park found
@@ -753,7 +823,7 @@ mod tests {
             &MongoConfig::default(),
             ServerClock::default(),
         );
-        let outcome = store.parking().requeue_parked(&copy).await;
+        let outcome = store.parking().requeue_parked(&copy, false).await;
         assert_eq!(outcome.expect("requeue"), Requeued::ParkedAgain);
         assert!(
             stored.lock().unwrap().is_some(),
@@ -851,7 +921,7 @@ mod tests {
             }
             tokio::task::yield_now().await;
         };
-        let requeued = parking.requeue_parked(&copy).await.expect("requeue");
+        let requeued = parking.requeue_parked(&copy, false).await.expect("requeue");
         assert_eq!(requeued, Requeued::AlreadyInTimeouts);
         assert_eq!(park.await.expect("park").expect("park"), Parked::Moved);
         assert_eq!(
