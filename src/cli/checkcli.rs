@@ -111,11 +111,15 @@ pub async fn check_config(
                 serde_json::json!({ "mongodb": m, "rabbitmq": r }),
             );
         }
-        println!("{out}");
+        say!("{out}");
     } else {
-        print!("{}{}", source.text(), config.to_redacted_toml());
+        crate::cli::out(format_args!(
+            "{}{}",
+            source.text(),
+            config.to_redacted_toml()
+        ));
         if let Some((m, r)) = &reached {
-            println!("{}\n{}", m.text("mongodb"), r.text("rabbitmq"));
+            say!("{}\n{}", m.text("mongodb"), r.text("rabbitmq"));
         }
     }
     match reached {

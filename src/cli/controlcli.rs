@@ -75,9 +75,9 @@ pub async fn pause(store: &Store, a: PauseArgs) -> anyhow::Result<()> {
         .await?;
     if a.json {
         let shown = serde_json::json!({ "paused": a.destination, "until": until });
-        println!("{shown}");
+        say!("{shown}");
     } else {
-        println!(
+        say!(
             "paused {} until {} (every instance stops claiming it within one poll interval)",
             a.destination,
             until.as_deref().unwrap_or("resumed")
@@ -107,15 +107,15 @@ pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
     if a.json {
         let shown =
             serde_json::json!({ "resumed": a.destination, "ramp": ramp, "was_paused": was });
-        println!("{shown}");
+        say!("{shown}");
         return Ok(());
     }
     match ramp {
-        Some(r) => println!(
+        Some(r) => say!(
             "resumed {}, its rate rising to unlimited over {r}",
             a.destination
         ),
-        None => println!("resumed {}", a.destination),
+        None => say!("resumed {}", a.destination),
     }
     Ok(())
 }
@@ -124,11 +124,11 @@ pub async fn resume(store: &Store, a: ResumeArgs) -> anyhow::Result<()> {
 pub async fn paused(store: &Store, json: bool) -> anyhow::Result<()> {
     let pauses = store.bounded("read pauses", store.pauses()).await?;
     if json {
-        println!("{}", serde_json::to_string(&pauses)?);
+        say!("{}", serde_json::to_string(&pauses)?);
         return Ok(());
     }
     for p in &pauses {
-        println!(
+        say!(
             "{}  since={}  until={}  by={}  reason={}",
             p.destination,
             crate::cli::opscli::dash(&p.since),
@@ -137,6 +137,6 @@ pub async fn paused(store: &Store, json: bool) -> anyhow::Result<()> {
             if p.reason.is_empty() { "-" } else { &p.reason }
         );
     }
-    println!("{} paused", pauses.len());
+    say!("{} paused", pauses.len());
     Ok(())
 }

@@ -35,7 +35,7 @@ pub fn probe_health(url: Option<&str>, config: &Config, json: bool) -> ExitCode 
         let shown = serde_json::json!({
             "healthy": healthy, "url": url, "status": status, "error": problem,
         });
-        println!("{shown}");
+        say!("{shown}");
     }
     match problem {
         None => {

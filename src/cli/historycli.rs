@@ -83,7 +83,7 @@ fn print(e: &Entry) {
     add("instance", e.instance.clone());
     add("reason", e.reason.clone());
     add("detail", e.detail.clone());
-    println!("{line}");
+    say!("{line}");
 }
 
 /// `timeoutd history`.
@@ -114,7 +114,7 @@ pub async fn history(store: &Store, a: HistoryArgs) -> anyhow::Result<()> {
         .bounded("read history", store.read_history(&filter))
         .await?;
     if a.json {
-        println!("{}", serde_json::to_string(&rows)?);
+        say!("{}", serde_json::to_string(&rows)?);
     } else {
         for r in &rows {
             print(r);
@@ -124,7 +124,7 @@ pub async fn history(store: &Store, a: HistoryArgs) -> anyhow::Result<()> {
         } else {
             ""
         };
-        println!("{} shown{more}", rows.len());
+        say!("{} shown{more}", rows.len());
     }
     Ok(())
 }

@@ -9,6 +9,13 @@
 //! Exit codes: 0 success, 1 a runtime failure, 2 a bad configuration or bad arguments (an
 //! unknown id, a malformed instant), 3 records under a live lease were left as they are.
 
+/// `println!` through [`out`]: a reader that went away ends the output, not the command.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::cli::out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 pub mod checkcli;
 pub mod controlcli;
 pub mod daemon;
@@ -157,7 +164,9 @@ pub fn main(cli: Cli) -> ExitCode {
     match &cli.command {
         Command::Completions { shell } => {
             let mut command = Cli::command();
-            clap_complete::generate(*shell, &mut command, "timeoutd", &mut std::io::stdout());
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut command, "timeoutd", &mut script);
+            out(format_args!("{}", String::from_utf8_lossy(&script)));
             return ExitCode::SUCCESS;
         }
         Command::Man { dir } => return man(Cli::command(), dir.as_deref()),
@@ -280,9 +289,9 @@ async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
                 .await
                 .context("insert failed")?;
             if json {
-                println!("{}", serde_json::json!({ "id": record.id.to_string() }));
+                say!("{}", serde_json::json!({ "id": record.id.to_string() }));
             } else {
-                println!("{}", record.id);
+                say!("{}", record.id);
             }
             Ok(())
         }
@@ -290,9 +299,9 @@ async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
         Command::Reap(JsonOnly { json }) => {
             let freed = store.bounded("reap", store.reap()).await?;
             if json {
-                println!("{}", serde_json::json!({ "freed": freed }));
+                say!("{}", serde_json::json!({ "freed": freed }));
             } else {
-                println!("freed {freed} expired leases");
+                say!("freed {freed} expired leases");
             }
             Ok(())
         }
@@ -315,9 +324,34 @@ async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
 
 /// `timeoutd man`: the man page on stdout; with `dir`, `timeoutd.1` and one
 /// `timeoutd-COMMAND.1` per command written there.
+/// Writes to standard output. A reader that went away (`timeoutd list | head -1`) ends the
+/// output, not the command: what follows it (the audit of a change) still runs, and the exit
+/// code is the command's. Before (found in review), `println!` panicked there (exit 101),
+/// after the records had changed and before the audit was written.
+pub fn out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static CLOSED: AtomicBool = AtomicBool::new(false);
+    if CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        CLOSED.store(true, Ordering::Relaxed);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("timeoutd: warning: cannot write to standard output: {e}");
+        }
+    }
+}
+
 pub fn man(command: clap::Command, dir: Option<&std::path::Path>) -> ExitCode {
     let written = match dir {
-        None => clap_mangen::Man::new(command).render(&mut std::io::stdout()),
+        None => {
+            let mut page = Vec::new();
+            let rendered = clap_mangen::Man::new(command).render(&mut page);
+            out(format_args!("{}", String::from_utf8_lossy(&page)));
+            rendered
+        }
         Some(dir) => clap_mangen::generate_to(command, dir),
     };
     match written {

@@ -153,7 +153,7 @@ fn print_row(r: &Listed, extra: &str) {
         (Some(o), None) => format!("  owner={o}"),
         _ => String::new(),
     };
-    println!(
+    say!(
         "{}  {}  {:<9} destination={}  correlation_id={}{lease}{extra}",
         r.id,
         dash(&r.due),
@@ -175,7 +175,7 @@ pub async fn list(store: &Store, a: ListArgs) -> anyhow::Result<()> {
     };
     let rows = store.bounded("list", store.list(&filter)).await?;
     if a.json {
-        println!("{}", serde_json::to_string(&rows)?);
+        say!("{}", serde_json::to_string(&rows)?);
     } else {
         for r in &rows {
             print_row(r, "");
@@ -185,7 +185,7 @@ pub async fn list(store: &Store, a: ListArgs) -> anyhow::Result<()> {
         } else {
             ""
         };
-        println!("{} listed{more}", rows.len());
+        say!("{} listed{more}", rows.len());
     }
     Ok(())
 }
@@ -200,7 +200,7 @@ async fn report(
     details: bson::Document,
 ) -> anyhow::Result<()> {
     if which.json {
-        println!("{}", serde_json::to_string(&outcomes)?);
+        say!("{}", serde_json::to_string(&outcomes)?);
     } else {
         for o in &outcomes {
             let new = o
@@ -208,7 +208,7 @@ async fn report(
                 .as_deref()
                 .map(|d| format!("  new_due={d}"))
                 .unwrap_or_default();
-            print!("{:<16} ", o.outcome);
+            crate::cli::out(format_args!("{:<16} ", o.outcome));
             print_row(&o.record, &new);
         }
     }

@@ -102,10 +102,10 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
         ParkedCommand::List(crate::cli::JsonOnly { json }) => {
             let records = store.bounded("list", parking.list()).await?;
             if json {
-                println!("{}", serde_json::to_string(&records)?);
+                say!("{}", serde_json::to_string(&records)?);
             } else {
                 for r in &records {
-                    println!(
+                    say!(
                         "{}  {}  {}  attempts={}  destination={}  {}",
                         r.id,
                         r.parked_at,
@@ -115,7 +115,7 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
                         r.error
                     );
                 }
-                println!("{} parked", records.len());
+                say!("{} parked", records.len());
             }
             Ok(())
         }
@@ -179,10 +179,10 @@ async fn report(
     mut details: bson::Document,
 ) -> anyhow::Result<()> {
     if change.json {
-        println!("{}", serde_json::to_string(done)?);
+        say!("{}", serde_json::to_string(done)?);
     } else {
         for d in done {
-            println!("{}", d.text());
+            say!("{}", d.text());
         }
     }
     if change.dry_run || done.is_empty() {

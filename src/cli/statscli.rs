@@ -20,25 +20,25 @@ pub async fn stats(store: &Store, json: bool) -> anyhow::Result<()> {
         if let Some(o) = shown.as_object_mut() {
             o.insert("paused_destinations".into(), paused.into());
         }
-        println!("{shown}");
+        say!("{shown}");
         return Ok(());
     }
-    println!("pending         {}", stats.pending);
-    println!("due             {}", stats.due);
-    println!("leased          {}", stats.leased);
-    println!("expired_leases  {}", stats.expired_leases);
-    println!("stuck_locks     {}", stats.stuck_locks);
-    println!("unschedulable   {}", stats.unschedulable);
-    println!("odd_locked      {}", stats.odd_locked);
+    say!("pending         {}", stats.pending);
+    say!("due             {}", stats.due);
+    say!("leased          {}", stats.leased);
+    say!("expired_leases  {}", stats.expired_leases);
+    say!("stuck_locks     {}", stats.stuck_locks);
+    say!("unschedulable   {}", stats.unschedulable);
+    say!("odd_locked      {}", stats.odd_locked);
     match stats.oldest_due_age_seconds {
-        Some(age) => println!("oldest_due_age  {age:.3}s"),
-        None => println!("oldest_due_age  -"),
+        Some(age) => say!("oldest_due_age  {age:.3}s"),
+        None => say!("oldest_due_age  -"),
     }
-    println!("retrying        {}", stats.retrying);
-    println!("parked          {}", stats.parked);
-    println!("paused          {}", paused.len());
+    say!("retrying        {}", stats.retrying);
+    say!("parked          {}", stats.parked);
+    say!("paused          {}", paused.len());
     for (p, due, all) in &paused {
-        println!(
+        say!(
             "  {}  due={due}  records={}  until={}",
             p.destination,
             all.map_or("-".to_string(), |n| n.to_string()),

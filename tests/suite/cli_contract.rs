@@ -375,3 +375,51 @@ fn completions_and_man_pages_cover_every_command() {
     assert!(pages.contains(&"timeoutd.1".to_string()), "{pages:?}");
     assert!(pages.len() > 15, "one page per command: {pages:?}");
 }
+
+/// Runs `timeoutd args` with its standard output a pipe whose reader has gone (`| head -1`
+/// once `head` has its line).
+fn run_into_a_closed_pipe(args: &[&str], vars: &[(String, String)]) -> Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    std::process::Command::new(crate::common::fleet::BIN)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("TIMEOUTD_CONFIG")
+        .envs(vars.iter().cloned())
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run timeoutd")
+}
+
+/// Found in review: a reader that went away made `println!` panic (exit 101), and `cancel`
+/// had then deleted the record and not yet written its audit. The output ends; the command
+/// does not.
+#[tokio::test]
+async fn a_reader_that_went_away_ends_the_output_not_the_command() {
+    let o = run_into_a_closed_pipe(&["completions", "bash"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert!(!text(&o.stderr).contains("panicked"), "{}", text(&o.stderr));
+
+    let env = TestEnv::new().await;
+    let id = Uuid::new_v4();
+    env.insert(vec![v7_record(
+        id,
+        &env.queue,
+        Uuid::new_v4(),
+        in_ms(600_000),
+        doc! {},
+    )])
+    .await;
+    let vars = env.env_vars(&env.config());
+    let o = run_into_a_closed_pipe(&["cancel", &id.to_string(), "--reason", "r"], &vars);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert!(!text(&o.stderr).contains("panicked"), "{}", text(&o.stderr));
+    assert!(env.find(id).await.is_none(), "cancelled");
+    let audited = control(&env)
+        .find_one(doc! { "kind": "audit", "action": "cancel" })
+        .await
+        .unwrap();
+    assert!(audited.is_some(), "the cancel was audited");
+    env.cleanup().await;
+}
