@@ -190,14 +190,16 @@ pub async fn list(store: &Store, a: ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints the outcomes, logs and records the action, and turns records left under a lease
-/// into [`OpsError::LeftLeased`] unless `--skip-leased`.
+/// Prints the outcomes, logs and records the action, and fails with `stopped` (the error
+/// the command stopped at), else turns records left under a lease into
+/// [`OpsError::LeftLeased`] unless `--skip-leased`.
 async fn report(
     store: &Store,
     action: &str,
     which: &Which,
     outcomes: Vec<Outcome>,
     details: bson::Document,
+    stopped: Option<OpsError>,
 ) -> anyhow::Result<()> {
     if which.json {
         say!("{}", serde_json::to_string(&outcomes)?);
@@ -227,6 +229,9 @@ async fn report(
         let mut details = details;
         details.insert("done", ids);
         details.insert("left_leased", left as i64);
+        if let Some(e) = &stopped {
+            details.insert("stopped", crate::redact::redact_text(&e.to_string()));
+        }
         tracing::info!(target: "timeoutd::audit", action, host = %actor.host, user = %actor.user, reason = which.reason.as_deref().unwrap_or(""), records = done, left_leased = left, "operator action");
         store
             .bounded(
@@ -234,6 +239,9 @@ async fn report(
                 store.audit(action, &actor, which.reason.as_deref(), details),
             )
             .await?;
+    }
+    if let Some(e) = stopped {
+        return Err(e.into());
     }
     if left > 0 && !which.skip_leased {
         return Err(OpsError::LeftLeased(left).into());
@@ -256,15 +264,34 @@ fn selection_details(which: &Which) -> bson::Document {
     d
 }
 
+/// The outcomes of a command that changes records, and the error it stopped at, if a call
+/// failed after some records were changed (those are still reported and audited).
+fn split(
+    result: Result<Vec<Outcome>, OpsError>,
+) -> Result<(Vec<Outcome>, Option<OpsError>), OpsError> {
+    match result {
+        Ok(outcomes) => Ok((outcomes, None)),
+        Err(OpsError::Stopped { done, error }) => {
+            let stopped = OpsError::Stopped {
+                done: Vec::new(),
+                error,
+            };
+            Ok((done, Some(stopped)))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// `timeoutd cancel`.
 pub async fn cancel(store: &Store, which: Which) -> anyhow::Result<()> {
-    let outcomes = store.cancel(&which.selector(), which.dry_run).await?;
+    let (outcomes, stopped) = split(store.cancel(&which.selector(), which.dry_run).await)?;
     if !which.dry_run {
         store
             .record_cancelled(&outcomes, which.reason.as_deref())
             .await;
     }
-    report(store, "cancel", &which, outcomes, selection_details(&which)).await
+    let details = selection_details(&which);
+    report(store, "cancel", &which, outcomes, details, stopped).await
 }
 
 /// `timeoutd reschedule`.
@@ -278,12 +305,12 @@ pub async fn reschedule(store: &Store, a: RescheduleArgs) -> anyhow::Result<()> 
         (_, _, Some(ms)) => (Move::By(ms), format!("by {ms} ms")),
         _ => return Err(OpsError::BadInput("say --at, --in or --by".into()).into()),
     };
-    let outcomes = store
-        .reschedule(&a.which.selector(), to, a.which.dry_run)
-        .await?;
+    let selector = a.which.selector();
+    let moved = store.reschedule(&selector, to, a.which.dry_run).await;
+    let (outcomes, stopped) = split(moved)?;
     let mut details = selection_details(&a.which);
     details.insert("to", shown);
-    report(store, "reschedule", &a.which, outcomes, details).await
+    report(store, "reschedule", &a.which, outcomes, details, stopped).await
 }
 
 /// The exit code of a failed command: 2 for bad input, 3 for records left under a lease,

@@ -130,11 +130,22 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
                 None => store.bounded("list", parking.all_ids()).await?,
             };
             let mut done = Vec::with_capacity(ids.len());
+            let mut stopped = None;
             for id in &ids {
                 let outcome = if change.dry_run {
                     "would_requeue"
                 } else {
-                    match store.bounded("requeue", parking.requeue(id, force)).await? {
+                    // A failure after some records were put back: those are still reported
+                    // and audited, then the command fails.
+                    let requeued = match store.bounded("requeue", parking.requeue(id, force)).await
+                    {
+                        Ok(requeued) => requeued,
+                        Err(e) => {
+                            stopped = Some(e);
+                            break;
+                        }
+                    };
+                    match requeued {
                         Some(Requeued::Requeued) => "requeued",
                         Some(Requeued::AlreadyInTimeouts) => "already_in_timeouts",
                         Some(Requeued::ParkedAgain) => "parked_again",
@@ -148,8 +159,17 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
                     outcome,
                 });
             }
-            let details = doc! { "all": all, "force": force };
-            report(store, "parked requeue", &change, &done, details).await
+            let mut details = doc! { "all": all, "force": force };
+            if let Some(e) = &stopped {
+                details.insert("stopped", crate::redact::redact_text(&e.to_string()));
+            }
+            report(store, "parked requeue", &change, &done, details).await?;
+            match stopped {
+                Some(e) => Err(anyhow::Error::from(e).context(
+                    "stopped there: the records before it were dealt with as listed; run the command again for the rest",
+                )),
+                None => Ok(()),
+            }
         }
         ParkedCommand::Drop { id, change } => {
             let id: Bson = find(id).await?;

@@ -40,6 +40,25 @@ pub enum OpsError {
     LeftLeased(usize),
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A call failed after some records were changed: those are `done`, and the command
+    /// reports and audits them before it fails (exit 1).
+    #[error(
+        "{error} (stopped there: the records before it were dealt with as listed; run the command again for the rest)"
+    )]
+    Stopped {
+        done: Vec<Outcome>,
+        error: StoreError,
+    },
+}
+
+impl OpsError {
+    /// `error`, with what was `done` before it.
+    fn after(done: Vec<Outcome>, error: impl Into<OpsError>) -> Self {
+        match error.into() {
+            OpsError::Store(error) if !done.is_empty() => OpsError::Stopped { done, error },
+            other => other,
+        }
+    }
 }
 
 /// Which records an action applies to.
@@ -207,12 +226,18 @@ impl Store {
             // no longer matches.
             let filter =
                 lease::all_of([doc! { field::ID: id.clone() }, lease::claimable(expired_by)]);
-            let deleted = self.query(self.coll.delete_one(filter)).await?;
+            let deleted = match self.query(self.coll.delete_one(filter)).await {
+                Ok(deleted) => deleted,
+                Err(e) => return Err(OpsError::after(outcomes, e)),
+            };
             if deleted.deleted == 1 {
                 outcomes.push(outcome(self, d, now, "cancelled", None));
                 continue;
             }
-            outcomes.push(self.not_written(d, id, now).await?);
+            match self.not_written(d, id, now).await {
+                Ok(o) => outcomes.push(o),
+                Err(e) => return Err(OpsError::after(outcomes, e)),
+            }
         }
         Ok(outcomes)
     }
@@ -264,14 +289,21 @@ impl Store {
             if d.get(field::LOCKED) != Some(&Bson::Boolean(false)) {
                 set.extend(lease::free_fields(self.uuids));
             }
-            let moved = self
+            let moved = match self
                 .query(self.coll.update_one(filter, doc! { "$set": set }))
-                .await?;
+                .await
+            {
+                Ok(moved) => moved,
+                Err(e) => return Err(OpsError::after(outcomes, e)),
+            };
             if moved.matched == 1 {
                 outcomes.push(outcome(self, d, now, "rescheduled", shown));
                 continue;
             }
-            outcomes.push(self.not_written(d, id, now).await?);
+            match self.not_written(d, id, now).await {
+                Ok(o) => outcomes.push(o),
+                Err(e) => return Err(OpsError::after(outcomes, e)),
+            }
         }
         Ok(outcomes)
     }
@@ -472,6 +504,51 @@ mod tests {
         assert_eq!(set.get(field::LOCKED), Some(&Bson::Boolean(false)), "{set}");
         let owner = set.get(field::LOCKED_BY).and_then(guid::from_bson);
         assert_eq!(owner, Some(Uuid::nil()), "{set}");
+    }
+
+    /// A cancel whose delete failed part-way returned the error alone: the records deleted
+    /// before it were neither reported nor audited, nor written to history (found in
+    /// review). They now come with the error.
+    #[tokio::test(start_paused = true)]
+    async fn a_cancel_that_fails_part_way_returns_what_it_did() {
+        let std = UuidRepresentation::Standard;
+        let (first, second) = (crate::host::uuid(), crate::host::uuid());
+        let record = |id| doc! { field::ID: guid::to_bson(id, std), field::DESTINATION: "q", field::TIME: DateTime::from_millis(NEW_YEAR_MS), field::LOCKED: false };
+        let both = vec![record(first), record(second)];
+        let deletes = Arc::new(Mutex::new(0));
+        let backend = Answering::new(move |op: Op| match &op {
+            Op::Find { .. } => Ok(Reply::Docs(both.clone())),
+            Op::Delete { .. } => {
+                let mut n = deletes.lock().unwrap_or_else(|e| e.into_inner());
+                *n += 1;
+                match *n {
+                    1 => Ok(Reply::Written(Written {
+                        deleted: 1,
+                        ..Written::default()
+                    })),
+                    _ => Err(crate::store::backend::command_error(
+                        91,
+                        "ShutdownInProgress",
+                        "the server is shutting down",
+                    )),
+                }
+            }
+            other => panic!("not modelled: {other:?}"),
+        });
+        let store = Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let cancelled = store.cancel(&Selector::Ids(vec![first, second]), false).await;
+        match cancelled {
+            Err(OpsError::Stopped { done, .. }) => {
+                assert_eq!(done.len(), 1, "{done:?}");
+                assert_eq!(done[0].outcome, "cancelled");
+                assert_eq!(done[0].record.id, first.to_string());
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A free record that an instance claimed, sent and removed between `cancel`'s read and
