@@ -277,11 +277,19 @@ async fn on_store(store: &Store, command: Command) -> anyhow::Result<()> {
             headers,
             json,
         } => {
+            let due = server_time_in(store.clock(), delay);
+            if due.timestamp_millis() > crate::record::due::MAX_DATE_MS {
+                let at = humantime::format_duration(delay);
+                return Err(crate::store::edit::OpsError::BadInput(format!(
+                    "--in {at} is outside .NET's range (years 1 to 9999); nothing was written"
+                ))
+                .into());
+            }
             let record = TimeoutRecord {
                 id: crate::host::uuid(),
                 destination,
                 process_manager_id: correlation_id,
-                due: server_time_in(store.clock(), delay),
+                due,
                 headers: headers.into_iter().map(|(k, v)| (k, v.into())).collect(),
             };
             store

@@ -322,6 +322,19 @@ async fn bad_input_gets_a_clear_error_and_exit_2() {
             vec!["cancel", "--correlation-id", &unknown],
             "no timeout record has correlation id",
         ),
+        // Past year 9999: a record ServiceConnect could not read (found in review).
+        (
+            vec![
+                "schedule",
+                "--destination",
+                "q",
+                "--correlation-id",
+                &unknown,
+                "--in",
+                "8000years",
+            ],
+            "outside .NET's range",
+        ),
     ];
     let known_s = known.to_string();
     for (args, says) in cases {
