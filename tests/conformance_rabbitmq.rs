@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use timeoutd::config::RabbitConfig;
 use timeoutd::rabbit::lapinlink::LapinBroker;
@@ -668,6 +668,167 @@ async fn nacked(server: &dyn Server) {
     server.delete(&queue).await;
 }
 
+/// `props(id)` with more headers.
+fn with_headers(id: &str, extra: &[(&str, AMQPValue)]) -> BasicProperties {
+    let p = props(id);
+    let mut headers = p.headers().clone().unwrap_or_default();
+    for (name, value) in extra {
+        headers.insert((*name).into(), value.clone());
+    }
+    p.with_headers(headers)
+}
+
+fn text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(s.into())
+}
+
+fn array(values: &[AMQPValue]) -> AMQPValue {
+    AMQPValue::FieldArray(values.to_vec().into())
+}
+
+/// RabbitMQ reads the headers `CC` and `BCC` (exactly so named) as more routing keys
+/// (sender-selected distribution): an array routes the message to the queues its strings name
+/// as well, once each (anything else in it is skipped; a mandatory message any of them routes
+/// is not returned; one of them rejecting it makes the confirm a nack), and `BCC` is removed
+/// before delivery; `cc` and `bcc` are ordinary headers. Any other value of `CC` or `BCC`
+/// makes the broker refuse the message and close the channel (406): its confirm fails with
+/// the broker's reason, so does what was pipelined behind it (and may the one before it), and
+/// the link reports itself closed.
+async fn routing_headers(server: &dyn Server) {
+    let (queue, other, full) = (unique("conf-cc"), unique("conf-cc"), unique("conf-cc"));
+    server.declare(&queue).await;
+    server.declare(&other).await;
+    server.declare_rejecting(&full).await;
+    let link = open(server, &server.uri(), &unique("conf")).await;
+    let nowhere = unique("conf-nowhere");
+    let sends = [
+        (
+            "lower",
+            &queue,
+            vec![("cc", text(&other)), ("bcc", text(&other))],
+        ),
+        (
+            "cc",
+            &queue,
+            vec![("CC", array(&[text(&other), AMQPValue::LongInt(7)]))],
+        ),
+        ("bcc", &queue, vec![("BCC", array(&[text(&other)]))]),
+        (
+            "self",
+            &queue,
+            vec![("CC", array(&[text(&queue), text(&queue)]))],
+        ),
+        ("away", &nowhere, vec![("CC", array(&[text(&other)]))]),
+        ("full", &queue, vec![("CC", array(&[text(&full)]))]),
+    ];
+    let mut answers = Vec::new();
+    for (id, key, headers) in sends {
+        let c = publish(&*link, key, b"c", with_headers(id, &headers)).await;
+        answers.push(answer(c.expect("written")).await);
+    }
+    let ack = || -> Result<Answer, LinkError> { Ok(Answer::Ack(None)) };
+    let want = [ack(), ack(), ack(), ack(), ack(), Ok(Answer::Nack(None))];
+    assert_eq!(answers, want, "{}", server.name());
+    let _ = within("close", link.close(200, "done")).await;
+    let seen = |msgs: Vec<Got>| -> Vec<String> {
+        let has = |m: &Got, h: &str| {
+            m.properties
+                .headers()
+                .as_ref()
+                .is_some_and(|t| t.contains_key(h))
+        };
+        msgs.iter()
+            .map(|m| {
+                let id = message_id(&m.properties).unwrap_or_default();
+                format!(
+                    "{id}{}{}",
+                    if has(m, "CC") { " CC" } else { "" },
+                    if has(m, "BCC") { " BCC" } else { "" }
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        seen(server.take(&queue, 5).await),
+        ["lower", "cc CC", "bcc", "self CC", "full CC"],
+        "{}",
+        server.name()
+    );
+    assert_eq!(
+        seen(server.take(&other, 3).await),
+        ["cc CC", "bcc", "away CC"],
+        "{}",
+        server.name()
+    );
+
+    for (name, value, ty) in [
+        ("CC", text(&other), "longstr"),
+        ("BCC", text(&other), "longstr"),
+        ("CC", AMQPValue::Boolean(true), "bool"),
+        ("CC", AMQPValue::ShortShortInt(1), "byte"),
+        ("CC", AMQPValue::ShortShortUInt(1), "unsignedbyte"),
+        ("CC", AMQPValue::ShortInt(1), "short"),
+        ("CC", AMQPValue::ShortUInt(1), "unsignedshort"),
+        ("CC", AMQPValue::LongInt(1), "signedint"),
+        ("CC", AMQPValue::LongUInt(1), "unsignedint"),
+        ("CC", AMQPValue::LongLongInt(1), "long"),
+        ("CC", AMQPValue::Float(1.0), "float"),
+        ("CC", AMQPValue::Double(1.0), "double"),
+        (
+            "CC",
+            AMQPValue::DecimalValue(DecimalValue { scale: 1, value: 1 }),
+            "decimal",
+        ),
+        ("CC", AMQPValue::Timestamp(1), "timestamp"),
+        ("CC", AMQPValue::FieldTable(FieldTable::default()), "table"),
+        ("CC", AMQPValue::ByteArray(vec![1u8].into()), "binary"),
+        ("CC", AMQPValue::Void, "void"),
+    ] {
+        let link = open(server, &server.uri(), &unique("conf")).await;
+        let before = publish(&*link, &queue, b"c", props("before")).await;
+        let bad = publish(&*link, &queue, b"c", with_headers("bad", &[(name, value)])).await;
+        let after = publish(&*link, &queue, b"c", props("after")).await;
+        let outcome = |p: Result<Confirm, LinkError>| async move { answer(p?).await };
+        let reason = format!(
+            "PRECONDITION_FAILED - invalid message: {{unacceptable_type_in_header,\"{name}\",{ty}}}"
+        );
+        // The close may overtake the ack of the message routed just before.
+        let before = outcome(before).await;
+        assert!(
+            before == Ok(Answer::Ack(None))
+                || before.as_ref().is_err_and(|e| e.0.contains(&reason)),
+            "{}: {before:?}",
+            server.name()
+        );
+        let err = outcome(bad)
+            .await
+            .expect_err("a refused message cannot be acked");
+        println!(
+            "{}: {name} as {ty}: {err}; the one before: {before:?}",
+            server.name()
+        );
+        assert!(err.0.contains(&reason), "{}: {err}", server.name());
+        let later = outcome(after).await;
+        assert!(
+            later.is_err(),
+            "{}: pipelined behind it: {later:?}",
+            server.name()
+        );
+        assert!(!link.status().connected, "{}", server.name());
+        assert_eq!(
+            seen(server.take(&queue, 1).await),
+            ["before"],
+            "{}",
+            server.name()
+        );
+        assert!(server.take(&other, 0).await.is_empty(), "{}", server.name());
+        let _ = within("close", link.close(200, "done")).await;
+    }
+    for q in [&queue, &other, &full] {
+        server.delete(q).await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The model
 
@@ -1013,6 +1174,7 @@ conformance!(
     nacked,
     stalled,
     replies_held,
+    routing_headers,
 );
 
 mod alarm_and_node_loss {

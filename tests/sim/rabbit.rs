@@ -30,6 +30,10 @@
 //! - `frame_max` per node (lapin's `?frame_max=` in the URI lowers it); a content header frame
 //!   larger than it by more than RabbitMQ's 8-byte fudge makes the broker close the
 //!   connection (501 FRAME_ERROR); bodies are split;
+//! - the headers `CC` and `BCC` (exactly so named) as more routing keys: an array routes to
+//!   the queues its strings name too, and `BCC` is removed before delivery; any other value
+//!   there makes the broker refuse the message and close the channel (406), and that close
+//!   may overtake the acks of messages routed just before;
 //! - a link closed by the server (`rabbitmqctl close_connection`), a node stopped (links reset,
 //!   opens refused) or unreachable (opens hang, links silent until the dead-peer timeout), a
 //!   node stalled (reads nothing, writes fill the socket buffer), a node whose replies are
@@ -255,6 +259,8 @@ pub enum Fate {
     Withheld,
     /// Its content header frame exceeded `frame_max`: the broker closed the connection.
     FrameError,
+    /// `CC` or `BCC` was not an array: the broker closed the channel (406).
+    Refused,
 }
 
 /// One publish the broker read, with its fate.
@@ -319,6 +325,61 @@ pub fn header_frame_len(properties: &BasicProperties) -> usize {
     match encode(Vec::new().into()) {
         Ok(ctx) => 20 + usize::try_from(ctx.position).unwrap_or(usize::MAX - 20),
         Err(_) => usize::MAX,
+    }
+}
+
+/// The routing keys the headers `CC` and `BCC` add, as RabbitMQ reads them
+/// (`rabbit_basic:header_routes`): exactly so named, each an array whose long strings count
+/// (anything else in it is skipped). Any other value is an error, in the broker's words.
+fn header_routes(properties: &BasicProperties) -> Result<Vec<String>, String> {
+    let mut routes = Vec::new();
+    for name in ["CC", "BCC"] {
+        match properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(name))
+        {
+            None => {}
+            Some(AMQPValue::FieldArray(keys)) => {
+                routes.extend(keys.as_slice().iter().filter_map(|k| match k {
+                    AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into()),
+                    _ => None,
+                }));
+            }
+            Some(v) => {
+                return Err(format!(
+                    "{{unacceptable_type_in_header,\"{name}\",{}}}",
+                    type_name(v)
+                ));
+            }
+        }
+    }
+    Ok(routes)
+}
+
+/// RabbitMQ's name of a field's type (`rabbit_binary_parser`), as lapin writes it.
+fn type_name(v: &AMQPValue) -> &'static str {
+    match v {
+        AMQPValue::Boolean(_) => "bool",
+        AMQPValue::ShortShortInt(_) => "byte",
+        AMQPValue::ShortShortUInt(_) => "unsignedbyte",
+        AMQPValue::ShortInt(_) => "short",
+        AMQPValue::ShortUInt(_) => "unsignedshort",
+        AMQPValue::LongInt(_) => "signedint",
+        AMQPValue::LongUInt(_) => "unsignedint",
+        AMQPValue::LongLongInt(_) => "long",
+        AMQPValue::Float(_) => "float",
+        AMQPValue::Double(_) => "double",
+        AMQPValue::DecimalValue(_) => "decimal",
+        AMQPValue::LongString(_) => "longstr",
+        // Not modelled: RabbitMQ cannot read lapin's short string field at all and closes the
+        // connection (541 INTERNAL_ERROR), whatever the header.
+        AMQPValue::ShortString(_) => "shortstr",
+        AMQPValue::FieldArray(_) => "array",
+        AMQPValue::Timestamp(_) => "timestamp",
+        AMQPValue::FieldTable(_) => "table",
+        AMQPValue::ByteArray(_) => "binary",
+        AMQPValue::Void => "void",
     }
 }
 
@@ -1031,10 +1092,18 @@ impl State {
         }
     }
 
-    fn process(&mut self, id: u64, at: Instant, tag: u64, msg: Message) {
+    fn process(&mut self, id: u64, at: Instant, tag: u64, mut msg: Message) {
         let Some(link) = self.links.get(&id) else {
             return;
         };
+        let routes = header_routes(&msg.properties);
+        if let Some(headers) = msg.properties.headers().as_ref()
+            && headers.contains_key("BCC")
+        {
+            let mut kept = headers.inner().clone();
+            kept.remove("BCC");
+            msg.properties = msg.properties.with_headers(kept.into());
+        }
         let (conn, node, frame_max) = (link.name.clone(), link.node.clone(), link.frame_max);
         let message_id = msg.properties.message_id().as_ref().map(|s| s.to_string());
         let log = |s: &mut State, fate: Fate| {
@@ -1063,37 +1132,80 @@ impl State {
             );
             return;
         }
+        let routes = match routes {
+            Ok(routes) => routes,
+            Err(reason) => {
+                log(self, Fate::Refused);
+                // The channel closes before the queues' confirms of what it routed just
+                // before reach it: their acks may never be sent.
+                if self.rng.chance(0.5) {
+                    self.agenda.retain(|_, e| {
+                        e.link != id
+                            || !matches!(e.kind, EventKind::Client(ClientEvent::Ack { .. }))
+                    });
+                }
+                self.server_close(
+                    id,
+                    at,
+                    format!(
+                        "protocol error: AMQP soft error: PRECONDITION-FAILED: PRECONDITION_FAILED - invalid message: {reason}"
+                    ),
+                );
+                return;
+            }
+        };
         let majority = self.majority();
         let nack_rate = self.behaviour.nack_rate;
         let random_nack = self.rng.chance(nack_rate);
-        match self.queues.get_mut(&msg.routing_key) {
-            Some(q) if q.withhold || (q.quorum && !majority) => {
-                q.held.push((id, tag, msg.clone()));
-                log(self, Fate::Withheld);
-            }
-            Some(q) if q.nack || random_nack => {
-                log(self, Fate::Nacked);
-                self.schedule_ack(id, at, tag, true);
-            }
-            Some(_) => {
-                let queue = msg.routing_key.clone();
-                self.deliver(at, id, &queue, &msg);
-                log(self, Fate::Routed);
-                self.schedule_ack(id, at, tag, false);
-            }
-            None if msg.mandatory => {
+        // The routing key's queue and the ones `CC` and `BCC` name, each once.
+        let mut queues: Vec<String> = std::iter::once(msg.routing_key.clone())
+            .chain(routes)
+            .filter(|k| self.queues.contains_key(k))
+            .collect();
+        queues.sort();
+        queues.dedup();
+        if queues.is_empty() {
+            if msg.mandatory {
                 log(self, Fate::Returned);
                 let returned = Returned {
                     message_id: message_id.clone(),
                     reply_code: NO_ROUTE,
                 };
                 self.schedule_client(id, at, ClientEvent::Return(tag, returned));
-                self.schedule_ack(id, at, tag, false);
-            }
-            None => {
+            } else {
                 log(self, Fate::Dropped);
-                self.schedule_ack(id, at, tag, false);
             }
+            self.schedule_ack(id, at, tag, false);
+            return;
+        }
+        // Of several queues, the first that withholds holds the message and its confirm (any
+        // other withholding one never gets it); one that nacks does not take it, and the
+        // confirm is a nack.
+        let holds = |q: &Queue| q.withhold || (q.quorum && !majority);
+        let held = queues
+            .iter()
+            .find(|n| self.queues.get(*n).is_some_and(holds))
+            .cloned();
+        let nack = random_nack
+            || queues
+                .iter()
+                .any(|n| self.queues.get(n).is_some_and(|q| q.nack));
+        if !random_nack {
+            for n in &queues {
+                if self.queues.get(n).is_some_and(|q| !q.nack && !holds(q)) {
+                    self.deliver(at, id, n, &msg);
+                }
+            }
+        }
+        if let Some(q) = held.and_then(|n| self.queues.get_mut(&n)) {
+            q.held.push((id, tag, msg.clone()));
+            log(self, Fate::Withheld);
+        } else if nack {
+            log(self, Fate::Nacked);
+            self.schedule_ack(id, at, tag, true);
+        } else {
+            log(self, Fate::Routed);
+            self.schedule_ack(id, at, tag, false);
         }
     }
 
