@@ -97,7 +97,8 @@ pub struct Outcome {
     #[serde(flatten)]
     pub record: Listed,
     /// `cancelled`, `would_cancel`, `rescheduled`, `would_reschedule`, `left_leased`,
-    /// `gone` (fired or removed meanwhile) or `unreadable` (its `Time` cannot be moved).
+    /// `changed` (its `Time` was changed by someone else since it was read), `gone` (fired or
+    /// removed meanwhile) or `unreadable` (its `Time` cannot be moved).
     pub outcome: &'static str,
     /// For a reschedule: the new due instant (RFC 3339, UTC).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -309,7 +310,8 @@ impl Store {
     }
 
     /// The outcome for a record a guarded write missed: claimed since it was read
-    /// (`left_leased`), or fired or removed meanwhile (`gone`).
+    /// (`left_leased`), free but with another `Time` (`changed`: rescheduled meanwhile by
+    /// someone else), or fired or removed meanwhile (`gone`).
     async fn not_written(
         &self,
         d: &Document,
@@ -320,6 +322,11 @@ impl Store {
             .query(self.coll.find_one(doc! { field::ID: id }))
             .await?;
         Ok(match current {
+            // Before (found in review), a free record whose `Time` had changed was reported
+            // under a live lease, beside its own state saying otherwise.
+            Some(c) if is_free(&c, self.clock.earliest()) => {
+                outcome(self, &c, now, "changed", None)
+            }
             Some(c) => outcome(self, &c, now, "left_leased", None),
             None => outcome(self, d, now, "gone", None),
         })
@@ -506,6 +513,40 @@ mod tests {
         assert_eq!(owner, Some(Uuid::nil()), "{set}");
     }
 
+    /// A reschedule that lost to another one (the record free, its `Time` changed since it
+    /// was read) reported the record `left_leased`, under a live lease it did not have.
+    #[tokio::test(start_paused = true)]
+    async fn a_reschedule_that_lost_to_another_says_changed() {
+        let std = UuidRepresentation::Standard;
+        let id = crate::host::uuid();
+        let at = move |ms| doc! { field::ID: guid::to_bson(id, std), field::DESTINATION: "q", field::TIME: DateTime::from_millis(ms), field::LOCKED: false };
+        let reads = Arc::new(Mutex::new(0));
+        let backend = Answering::new(move |op: Op| match &op {
+            Op::Find { .. } => {
+                let mut n = reads.lock().unwrap_or_else(|e| e.into_inner());
+                *n += 1;
+                // Read as it was, then as another reschedule left it.
+                let ms = if *n == 1 {
+                    NEW_YEAR_MS
+                } else {
+                    NEW_YEAR_MS + 5_000
+                };
+                Ok(Reply::Docs(vec![at(ms)]))
+            }
+            Op::Update { .. } => Ok(Reply::Written(Written::default())),
+            other => panic!("not modelled: {other:?}"),
+        });
+        let store = Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let moved = store
+            .reschedule(&Selector::Ids(vec![id]), Move::By(60_000), false)
+            .await;
+        assert_eq!(moved.expect("reschedule")[0].outcome, "changed");
+    }
+
     /// A cancel whose delete failed part-way returned the error alone: the records deleted
     /// before it were neither reported nor audited, nor written to history (found in
     /// review). They now come with the error.
@@ -540,7 +581,9 @@ mod tests {
             &MongoConfig::default(),
             ServerClock::default(),
         );
-        let cancelled = store.cancel(&Selector::Ids(vec![first, second]), false).await;
+        let cancelled = store
+            .cancel(&Selector::Ids(vec![first, second]), false)
+            .await;
         match cancelled {
             Err(OpsError::Stopped { done, .. }) => {
                 assert_eq!(done.len(), 1, "{done:?}");
