@@ -1297,7 +1297,7 @@ pub fn counted_duplicates(rendered: &str) -> f64 {
         .lines()
         .filter(|l| l.split(['{', ' ']).next() == Some("timeoutd_possible_duplicates_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .fold(0.0, |sum, n| sum + n)
 }
 
 /// One `hello` of an instance, told to the checker when it ends: answered or not, or given
