@@ -82,7 +82,10 @@ impl RateLimits {
         // Saturating: `from` and `until` are stored dates, any `i64`.
         let span = ramp.until.saturating_sub(ramp.from).max(1) as f64;
         let done = (now_ms.saturating_sub(ramp.from) as f64 / span).clamp(0.0, 1.0);
-        Some(TRICKLE * (ceiling / TRICKLE).powf(done))
+        let ramped = TRICKLE * (ceiling / TRICKLE).powf(done);
+        // A ramp only ever lowers the rate: a limit below the trickle stays as it is (found
+        // in review: a queue limited to 0.1/s got 1/s for the whole ramp).
+        Some(own.map_or(ramped, |own| ramped.min(own)))
     }
 
     /// Takes a token for one send to `destination` at `rate` (and one of the instance's), or
@@ -189,6 +192,19 @@ mod tests {
             l.destination_rate("capped", Some(&ramp), 10_000),
             Some(200.0)
         );
+    }
+
+    #[test]
+    fn a_ramp_never_raises_a_limit_below_the_trickle() {
+        let l = limits(None, &[("slow", 0.1)]);
+        let ramp = Ramp {
+            from: 0,
+            until: 10_000,
+        };
+        for at in [0, 5_000, 9_999] {
+            let rate = l.destination_rate("slow", Some(&ramp), at);
+            assert_eq!(rate, Some(0.1), "at {at} ms");
+        }
     }
 
     #[test]
