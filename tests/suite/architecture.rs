@@ -409,3 +409,30 @@ fn every_background_service_has_one_shape() {
         );
     }
 }
+
+/// Standard output is written through `cli::out` (`say!`) only: `println!` panics when the
+/// reader has gone (`timeoutd cancel ... | head`), after the records changed and before the
+/// audit was written.
+#[test]
+fn standard_output_is_written_through_one_function() {
+    let mut found = Vec::new();
+    let mut files = 0;
+    for module in top_level_modules() {
+        for file in files_of(&module) {
+            files += 1;
+            let text = std::fs::read_to_string(&file).expect("source");
+            let code = code_outside_tests(&text);
+            if has_token(&code, "println!") || has_token(&code, "print!") {
+                found.push(file.display().to_string());
+            }
+        }
+    }
+    assert!(files > 20, "only {files} files");
+    // The check itself: `out` writes standard output, and `say!` reaches it.
+    let cli = std::fs::read_to_string(repo("src/cli/mod.rs")).expect("cli/mod.rs");
+    assert!(cli.contains("pub fn out(") && has_token(&cli, "say!"));
+    assert!(
+        found.is_empty(),
+        "print!/println! outside cli::out: {found:?}"
+    );
+}
