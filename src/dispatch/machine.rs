@@ -362,9 +362,12 @@ impl Machine {
             Input::Blocked(blocked) => self.on_blocked(blocked),
             Input::LinkLost => {
                 if matches!(self.link, Link::Idle { .. }) {
-                    tracing::warn!("RabbitMQ connection lost; reconnecting");
+                    let wait = self.reconnect.next_delay();
+                    tracing::warn!(retry_in = ?wait, "RabbitMQ connection lost; reconnecting");
                     self.health.set_up(m::RABBITMQ, false);
-                    self.link = Link::Down { retry_at: now.at };
+                    self.link = Link::Down {
+                        retry_at: now.at + wait,
+                    };
                 }
             }
             Input::Connected(result) => self.on_connected(result, now),
@@ -589,10 +592,13 @@ impl Machine {
 
     fn on_connected(&mut self, result: Result<u32, PublishError>, now: &Now) {
         self.link = match result {
+            // The back-off starts again once the link has carried a confirm, not at the
+            // connect: a broker that takes the handshake and drops the link (closed by an
+            // operator's script, a proxy) was reconnected to at once, for ever (found in
+            // review).
             Ok(frame_max) => {
                 tracing::info!("RabbitMQ connection open");
                 self.health.set_up(m::RABBITMQ, true);
-                self.reconnect.reset();
                 Link::Idle { frame_max }
             }
             Err(PublishError::Stopped) => {
@@ -840,7 +846,9 @@ impl Machine {
     fn on_wave_sent(&mut self, outcomes: Vec<SendOutcome>, open: Option<u32>, now: &Now) {
         let next = match open {
             Some(frame_max) => Link::Idle { frame_max },
-            None => Link::Down { retry_at: now.at },
+            None => Link::Down {
+                retry_at: now.at + self.reconnect.next_delay(),
+            },
         };
         let Link::Publishing(wave) = std::mem::replace(&mut self.link, next) else {
             return;
@@ -936,6 +944,9 @@ impl Machine {
             self.unanswered(&unknown, now.at);
         } else if any_confirmed {
             self.claims.unconfirmed.reset();
+        }
+        if any_confirmed {
+            self.reconnect.reset();
         }
         // Last: a hold-off this wave set keeps a gated claim from taking.
         self.end_gate(answered, now.at);

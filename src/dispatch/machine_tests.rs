@@ -335,6 +335,37 @@ fn settling_not_started_by_the_lease_margin_is_released_instead() {
     );
 }
 
+/// Found in review: the reconnect back-off was reset at every connect, so a broker that
+/// takes the handshake and drops the link at once was reconnected to at once, for ever (a
+/// connect storm). Each loss waits the next delay, growing until a wave is confirmed.
+#[test]
+fn a_link_lost_after_each_connect_is_reconnected_to_later_and_later() {
+    let mut r = Rig::up(Config::default());
+    let mut until_connect = |r: &mut Rig| {
+        r.handle(Input::LinkLost);
+        let mut waited = Duration::ZERO;
+        while !r.commands().iter().any(|c| matches!(c, Command::Connect)) {
+            r.advance(Duration::from_millis(10));
+            waited += Duration::from_millis(10);
+            assert!(waited < Duration::from_secs(60), "never reconnected");
+        }
+        r.handle(Input::Connected(Ok(message::DEFAULT_FRAME_MAX)));
+        waited
+    };
+    let waits: Vec<Duration> = (0..6).map(|_| until_connect(&mut r)).collect();
+    assert!(waits[0] > Duration::ZERO, "reconnected at once: {waits:?}");
+    // From 100 ms doubling: the sixth is at least 3.2 s.
+    assert!(waits[5] >= Duration::from_millis(3_200), "{waits:?}");
+    // A confirmed wave: the link works, and the back-off starts again.
+    r.m.claims.step = Step::Idle;
+    r.wave(0, "q", SendOutcome::Confirmed);
+    let after = until_connect(&mut r);
+    assert!(
+        after <= Duration::from_millis(200),
+        "{after:?} after a confirmed wave"
+    );
+}
+
 /// Issue 25, 8.5: the claims after an unconfirmed wave were spaced by the link's back-off,
 /// which the reconnect that follows such a wave reset: the hold-off never grew. It grows
 /// while waves go unconfirmed, reconnects or not, and starts again after a confirmed wave.
