@@ -341,7 +341,7 @@ fn settling_not_started_by_the_lease_margin_is_released_instead() {
 #[test]
 fn a_link_lost_after_each_connect_is_reconnected_to_later_and_later() {
     let mut r = Rig::up(Config::default());
-    let mut until_connect = |r: &mut Rig| {
+    let until_connect = |r: &mut Rig| {
         r.handle(Input::LinkLost);
         let mut waited = Duration::ZERO;
         while !r.commands().iter().any(|c| matches!(c, Command::Connect)) {
