@@ -267,3 +267,37 @@ fn the_claim_window_saturates() {
     };
     assert_eq!(d.claim_window(), std::time::Duration::MAX);
 }
+
+/// Found in review (helper-33): values that passed validation and failed at run time. A rate
+/// that lets no record out within a lease made claims take and release the same records for
+/// ever; names MongoDB refuses made every call fail while the daemon waited for a server
+/// that answers; a batch past what one claim's filter can name failed every full claim.
+#[test]
+fn what_fails_at_run_time_is_refused_naming_its_key() {
+    let cases = [
+        ("[dispatch]\nmax_rate = 0.002", "dispatch.max_rate"),
+        (
+            "[[dispatch.destination]]\nname = \"q\"\nmax_rate = 0.002",
+            "dispatch.destination[0].max_rate",
+        ),
+        ("[dispatch]\nbatch_size = 4000000000", "dispatch.batch_size"),
+        ("[mongodb]\ndatabase = \"my.db\"", "mongodb.database"),
+        ("[mongodb]\ndatabase = \"a b\"", "mongodb.database"),
+        ("[mongodb]\ncollection = \"a$b\"", "mongodb.collection"),
+        (
+            "[mongodb]\ncollection = \"system.timeouts\"",
+            "mongodb.collection",
+        ),
+        (
+            "[mongodb]\nparked_collection = \"p$\"",
+            "mongodb.parked_collection",
+        ),
+    ];
+    for (toml, key) in cases {
+        assert_eq!(keys_of(toml), vec![key.to_string()], "{toml}");
+    }
+    // At the edge: one record a lease is enough, and the default names pass.
+    let lease = "[dispatch]\nlock_lease = \"102s\"\nlease_safety_margin = \"2s\"\nmax_rate = 0.01";
+    assert!(Config::from_toml(lease).is_ok());
+    assert!(Config::from_toml("").is_ok());
+}

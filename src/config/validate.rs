@@ -44,6 +44,9 @@ impl fmt::Display for ConfigError {
 /// The longest duration any setting but `history.keep` may have.
 pub const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The largest `dispatch.batch_size`.
+pub const MAX_BATCH: u32 = 100_000;
+
 impl Problem {
     pub(super) fn new(key: &str, message: impl Into<String>) -> Self {
         Self {
@@ -115,6 +118,14 @@ impl Config {
         if d.batch_size == 0 {
             bad("dispatch.batch_size", "must be greater than zero");
         }
+        // A claim's compare-and-swap names every candidate `_id`: far above this, its filter
+        // passes MongoDB's 16 MiB document limit and every full claim fails (found in review).
+        if d.batch_size > MAX_BATCH {
+            bad(
+                "dispatch.batch_size",
+                &format!("must be at most {MAX_BATCH}"),
+            );
+        }
         let r = &self.retry;
         if r.cap < r.base {
             bad("retry.cap", "must not be less than retry.base");
@@ -139,11 +150,33 @@ impl Config {
             );
         }
         let positive = |r: f64| r.is_finite() && r > 0.0;
+        // A rate that lets no record out within a lease: every record past the first is
+        // released as soon as it is claimed, and claimed again at once, for ever (found in
+        // review: at 0.002/s under a 300 s lease, a claim-and-release loop of whole batches).
+        let sendable = d
+            .lock_lease
+            .saturating_sub(d.lease_safety_margin)
+            .as_secs_f64();
+        let too_slow = |r: f64| positive(r) && r * sendable < 1.0;
+        let slow = |key: &str, bad: &mut dyn FnMut(&str, &str)| {
+            bad(
+                key,
+                &format!(
+                    "must let one record out per lease: at least {:.6} a second with dispatch.lock_lease {} and dispatch.lease_safety_margin {}",
+                    1.0 / sendable.max(f64::MIN_POSITIVE),
+                    humantime::format_duration(d.lock_lease),
+                    humantime::format_duration(d.lease_safety_margin)
+                ),
+            )
+        };
         if d.max_rate.is_some_and(|r| !positive(r)) {
             bad(
                 "dispatch.max_rate",
                 "must be a number of records a second above zero",
             );
+        }
+        if d.max_rate.is_some_and(too_slow) {
+            slow("dispatch.max_rate", &mut bad);
         }
         let mut names = std::collections::HashSet::new();
         for (i, limit) in d.destination.iter().enumerate() {
@@ -153,11 +186,11 @@ impl Config {
             } else if !names.insert(limit.name.as_str()) {
                 bad(&name, &format!("`{}` is listed twice", limit.name));
             }
+            let key = format!("dispatch.destination[{i}].max_rate");
             if !positive(limit.max_rate) {
-                bad(
-                    &format!("dispatch.destination[{i}].max_rate"),
-                    "must be a number of records a second above zero",
-                );
+                bad(&key, "must be a number of records a second above zero");
+            } else if too_slow(limit.max_rate) {
+                slow(&key, &mut bad);
             }
         }
         if let Some(problem) = self.history.problem() {
@@ -199,6 +232,49 @@ impl Config {
             }
         }
         let m = &self.mongodb;
+        // Names MongoDB refuses: every call would fail with InvalidNamespace, and the daemon
+        // wait for ever for a server that answers (found in review).
+        let db = &m.database;
+        if !db.trim().is_empty()
+            && (db.len() >= 64 || db.contains(['/', '\\', '.', ' ', '"', '$', '\0']))
+        {
+            bad(
+                "mongodb.database",
+                "must be a MongoDB database name: under 64 bytes, without / \\ . \" $ or a space",
+            );
+        }
+        // Each name as set; the timeouts collection's with the longest suffix built from it
+        // (`_attempts`), which names built from a valid name only lengthen.
+        let named = [
+            ("mongodb.collection", Some(&m.collection), "_attempts".len()),
+            ("mongodb.parked_collection", m.parked_collection.as_ref(), 0),
+            (
+                "mongodb.attempts_collection",
+                m.attempts_collection.as_ref(),
+                0,
+            ),
+            (
+                "mongodb.control_collection",
+                m.control_collection.as_ref(),
+                0,
+            ),
+        ];
+        for (key, name, suffix) in named {
+            let Some(name) = name.filter(|n| !n.trim().is_empty()) else {
+                continue;
+            };
+            if name.contains(['$', '\0'])
+                || name.starts_with("system.")
+                || db.len() + 1 + name.len() + suffix > 255
+            {
+                bad(
+                    key,
+                    &format!(
+                        "`{name}` is no MongoDB collection name: without $, not starting with system., at most 255 bytes with the database's name (and the suffixes timeoutd adds)"
+                    ),
+                );
+            }
+        }
         if m.parked_collection() == m.collection
             || m.attempts_collection() == m.collection
             || m.parked_collection() == m.attempts_collection()

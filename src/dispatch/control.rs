@@ -13,16 +13,10 @@ use bson::DateTime;
 use super::leased::{Held, Leased};
 use super::settle::SettleQueue;
 use crate::config::Config;
-use crate::dispatch::ratelimit::RateLimits;
+use crate::dispatch::ratelimit::{LONGEST_WAIT, RateLimits};
 use crate::metrics as m;
 use crate::store::control::Snapshot;
 use crate::store::lease::{self, PrePublish};
-
-/// The longest a record is judged to wait behind those queued ahead of it, in seconds:
-/// longer than any lease (validation caps `lock_lease` at a year), so that the cap only keeps
-/// a tiny rate's wait finite. It was an hour (found in review: under a 2 h lease, 199 records
-/// of 200 at 0.01/s were held where 71 can go out).
-const LONGEST_WAIT: f64 = 2.0 * 366.0 * 24.0 * 3600.0;
 
 /// Pauses, ramps, rate limits and refusing destinations, as this instance applies them.
 #[derive(Debug)]
