@@ -78,6 +78,15 @@ impl Store {
         };
         let ours = |name: &str| existing.iter().any(|(n, _)| n == name);
         let mut plan = IndexPlan::default();
+        // An index with the very keys of one of ours, under another name (a DBA's default
+        // `Locked_1_LockExpiresAt_1`), serves as ours would: the server refuses ours beside
+        // it, which was asked for again and warned about every 5 minutes, for ever (found in
+        // review).
+        let same_keys = |name: &str, keys: &Document| {
+            existing
+                .iter()
+                .any(|(n, k)| n != name && same_key_pattern(k, keys))
+        };
         if self.encoding.reads_dates() {
             if !served(field::TIME, DATE_DUE_INDEX) {
                 plan.wanted.push((DATE_DUE_INDEX, Shape::Date.sort()));
@@ -102,6 +111,7 @@ impl Store {
                 plan.redundant.push(name);
             }
         }
+        plan.wanted.retain(|(name, keys)| !same_keys(name, keys));
         plan.existing = existing.into_iter().map(|(name, _)| name).collect();
         Ok(plan)
     }
@@ -217,6 +227,25 @@ fn namespace_not_found(e: &MongoError) -> bool {
 /// the collection does not exist. Any other error is an error: read as "no index", it made
 /// every round after a transient failure create indexes beside v7's that serve the same
 /// queries (and the plan never drops an index it did not find).
+/// Whether two key patterns name the same fields in the same order and directions, however
+/// their numbers are typed (a shell may write `1.0`).
+fn same_key_pattern(a: &Document, b: &Document) -> bool {
+    let number = |v: &Bson| match v {
+        Bson::Int32(n) => Some(f64::from(*n)),
+        Bson::Int64(n) => Some(*n as f64),
+        Bson::Double(n) => Some(*n),
+        _ => None,
+    };
+    a.len() == b.len()
+        && a.iter().zip(b.iter()).all(|((fa, va), (fb, vb))| {
+            fa == fb
+                && match (number(va), number(vb)) {
+                    (Some(x), Some(y)) => x == y,
+                    _ => va == vb,
+                }
+        })
+}
+
 pub(crate) async fn list_indexes(coll: &Coll) -> Result<Vec<(String, Document)>, MongoError> {
     let command = doc! { "listIndexes": coll.name(), "maxTimeMS": coll.max_time_ms() };
     let reply = match coll.backend().command(command).await {
@@ -377,6 +406,26 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    /// An index with the keys of one of ours under another name serves as ours: it was
+    /// asked for every 5 minutes and refused, with `timeoutd_indexes_missing` stuck at 1.
+    #[tokio::test(start_paused = true)]
+    async fn an_index_with_our_keys_under_another_name_serves_as_ours() {
+        let command = |c: Document| match c.keys().next().map(String::as_str) {
+            Some("listIndexes") => Ok(doc! { "cursor": { "firstBatch": [
+                { "name": "_id_", "key": { "_id": 1 } },
+                { "name": "Locked_1_LockExpiresAt_1", "key": { "Locked": 1.0, "LockExpiresAt": 1 } },
+            ] }, "ok": 1 }),
+            _ => Ok(doc! { "ok": 1 }),
+        };
+        let backend = Answering(|_: Op| Ok(Reply::Docs(Vec::new())), command);
+        let config = MongoConfig::default();
+        let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
+        let plan = store.index_plan().await.expect("plan");
+        let missing: Vec<&str> = plan.missing().iter().map(|(name, _)| *name).collect();
+        assert!(!missing.contains(&LEASE_INDEX), "{missing:?}");
+        assert!(missing.contains(&OWNER_INDEX), "{missing:?}");
     }
 
     /// An index the server refused (not a timeout: it is not being built) was said to be
