@@ -1416,6 +1416,205 @@ async fn fail_command_errors_and_closed_connections_classify_alike() {
     s.cleanup().await;
 }
 
+/// A write concern error's code and whether it carries `RetryableWriteError`; `None` for any
+/// other outcome.
+fn write_concern_of<T>(r: &Result<T, MongoError>) -> Option<(i32, bool)> {
+    use mongodb::error::{ErrorKind, WriteFailure};
+    match r.as_ref().err()?.kind.as_ref() {
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => Some((
+            w.code,
+            r.as_ref().err()?.contains_label("RetryableWriteError"),
+        )),
+        _ => None,
+    }
+}
+
+/// A write that takes effect and still answers a `writeConcernError` (`failCommand` with
+/// `writeConcernError`, as a replica set answers once the write was applied on the primary but
+/// its write concern failed). The caller sees `Write(WriteConcernError)` where the driver does
+/// not retry (a multi-document write, or a code without `RetryableWriteError`), and the write
+/// is there; a retryable write labelled `RetryableWriteError` is retried and answered with the
+/// first run's result, applied once.
+#[tokio::test]
+async fn a_write_concern_error_comes_after_the_write_took_effect() {
+    let _exclusive = SERVER_WIDE.write().await;
+    let s = Sides::new().await;
+    let coll = "wce";
+    s.insert_each(
+        coll,
+        (1..=4)
+            .map(|i| doc! { "_id": i, "n": 0, "Locked": false })
+            .collect(),
+    )
+    .await;
+    let wtimeout = doc! {
+        "code": 64,
+        "codeName": "WriteConcernFailed",
+        "errmsg": "waiting for replication timed out",
+        "errInfo": { "wtimeout": true },
+    };
+    let shutdown = doc! {
+        "code": 91,
+        "codeName": "ShutdownInProgress",
+        "errmsg": "Replication is being shut down",
+    };
+    let fail_once = |name: &str, wce: &Document, labels: &[&str]| {
+        let mut data = doc! { "failCommands": [name], "writeConcernError": wce.clone() };
+        if !labels.is_empty() {
+            data.insert("errorLabels", labels.to_vec());
+        }
+        doc! { "configureFailPoint": "failCommand", "mode": { "times": 1 }, "data": data }
+    };
+    if !fail_point(&s, fail_once("update", &wtimeout, &[])).await {
+        return;
+    }
+    // What it does, the failpoint, the write, and the write concern error the caller sees.
+    type Case = (&'static str, Document, Op, Option<(i32, bool)>);
+    let cases: Vec<Case> = vec![
+        (
+            "updateMany under a wtimeout: applied, then the error",
+            fail_once("update", &wtimeout, &[]),
+            Op::Update {
+                filter: doc! { "Locked": false },
+                update: doc! { "$set": { "Locked": true }, "$inc": { "n": 1 } },
+                many: true,
+                upsert: false,
+            },
+            Some((64, false)),
+        ),
+        (
+            "updateMany under ShutdownInProgress: never retried",
+            fail_once("update", &shutdown, &["RetryableWriteError"]),
+            Op::Update {
+                filter: doc! { "Locked": true },
+                update: doc! { "$inc": { "n": 1 } },
+                many: true,
+                upsert: false,
+            },
+            Some((91, true)),
+        ),
+        (
+            "updateOne under ShutdownInProgress, labelled: retried, applied once",
+            fail_once("update", &shutdown, &["RetryableWriteError"]),
+            Op::Update {
+                filter: doc! { "_id": 1 },
+                update: doc! { "$inc": { "n": 10 } },
+                many: false,
+                upsert: false,
+            },
+            None,
+        ),
+        (
+            "findAndModify under a wtimeout: applied, then the error",
+            fail_once("findAndModify", &wtimeout, &[]),
+            Op::FindOneAndUpdate {
+                filter: doc! { "_id": 2 },
+                update: doc! { "$set": { "Locked": false } },
+                sort: None,
+                upsert: false,
+                return_new: true,
+                max_time: None,
+            },
+            Some((64, false)),
+        ),
+        (
+            "deleteOne under a wtimeout: deleted, then the error",
+            fail_once("delete", &wtimeout, &[]),
+            Op::Delete {
+                filter: doc! { "_id": 3 },
+                many: false,
+            },
+            Some((64, false)),
+        ),
+        (
+            "insert under ShutdownInProgress, labelled: retried, inserted once",
+            fail_once("insert", &shutdown, &["RetryableWriteError"]),
+            Op::Insert {
+                docs: vec![doc! { "_id": 5, "n": 0, "Locked": false }],
+                ordered: true,
+            },
+            None,
+        ),
+    ];
+    for (what, fail, op, expected) in cases {
+        fail_point(&s, fail).await;
+        let [m, r] = s.both(coll, op).await;
+        assert_eq!(classify_result(&m), classify_result(&r), "{what}");
+        assert_eq!(write_concern_of(&m), write_concern_of(&r), "{what}");
+        assert_eq!(write_concern_of(&r), expected, "{what} (real: {r:?})");
+        if expected.is_none() {
+            assert!(r.is_ok(), "{what}: {r:?}");
+        }
+        assert_same_contents(&s, coll, what).await;
+    }
+    s.cleanup().await;
+}
+
+/// The drawn fault: a write that took effect answers the driver's write concern error.
+#[tokio::test(start_paused = true)]
+async fn a_drawn_error_after_the_effect_leaves_the_write_applied() {
+    let m = quiet_model();
+    m.insert_direct(
+        COLL,
+        (1..=3)
+            .map(|i| doc! { "_id": i, "Locked": false })
+            .collect(),
+    )
+    .expect("setup");
+    m.set_error_after_effect(1.0, &[64]);
+    let r = m
+        .run(
+            COLL,
+            Op::Update {
+                filter: doc! {},
+                update: doc! { "$set": { "Locked": true } },
+                many: true,
+                upsert: false,
+            },
+        )
+        .await;
+    assert_eq!(write_concern_of(&r), Some((64, false)), "{r:?}");
+    assert!(
+        m.snapshot(COLL)
+            .iter()
+            .all(|d| d.get_bool("Locked") == Ok(true)),
+        "the update took effect"
+    );
+    // A retryable code on a single-document write: the driver retries, and the retry is
+    // answered with the first run's result (applied once).
+    m.set_error_after_effect(1.0, &[91]);
+    let r = m
+        .run(
+            COLL,
+            Op::Update {
+                filter: doc! { "_id": 1 },
+                update: doc! { "$inc": { "n": 1 } },
+                many: false,
+                upsert: false,
+            },
+        )
+        .await;
+    assert!(r.is_ok(), "{r:?}");
+    assert_eq!(
+        m.get(COLL, &Bson::Int32(1))
+            .and_then(|d| d.get_i32("n").ok()),
+        Some(1)
+    );
+    // A retryable code on a multi-document write reaches the caller.
+    let r = m
+        .run(
+            COLL,
+            Op::Delete {
+                filter: doc! { "Locked": true },
+                many: true,
+            },
+        )
+        .await;
+    assert_eq!(write_concern_of(&r), Some((91, false)), "{r:?}");
+    assert!(m.snapshot(COLL).is_empty(), "the delete took effect");
+    assert_eq!(m.errors_after_effect(), 3);
+}
+
 #[tokio::test]
 async fn max_time_always_times_out_with_code_50() {
     let _exclusive = SERVER_WIDE.write().await;

@@ -19,7 +19,9 @@
 //!   they arrive, replies lost after the effect, command errors, stalls, windows of cut and
 //!   stall per client or for all, a stepdown (hello says not primary, writes fail with 10107,
 //!   a multi-document write in progress stops with 11602 having written part), multi-document
-//!   writes that yield between documents;
+//!   writes that yield between documents; writes that take effect and still answer an error
+//!   (a `writeConcernError`: wtimeout 64, or 91, 189, 11602 once the write was applied on the
+//!   primary), drawn from a generator of their own ([`AfterEffect`]);
 //! - an operations log (each request, each document written with its before and after, each
 //!   reply delivered or lost) and direct accessors for the invariant checker.
 //!
@@ -36,7 +38,9 @@
 //! `step_clock_ms` and `set_drift_ppm`, `heal()` for the liveness phase; the checker reads
 //! `log_since(seq)`, `snapshot(collection)`, `get(collection, id)`, `server_now()`. The same
 //! test commands as a real server: `configureFailPoint` (`failCommand` with `errorCode`,
-//! `closeConnection`, `blockConnection`; `maxTimeAlwaysTimeOut`) and `replSetStepDown`.
+//! `closeConnection`, `blockConnection`, `writeConcernError` with `errorLabels`;
+//! `maxTimeAlwaysTimeOut`) and `replSetStepDown`. Errors after the effect with
+//! `set_error_after_effect`.
 //! Not modelled: TTL expiry, unique indexes other than `_id`, `$elemMatch`, regular
 //! expressions, aggregation; a request for them fails with BadValue (2) rather than be
 //! answered wrong.
@@ -1147,6 +1151,23 @@ impl FaultPlan {
     }
 }
 
+/// Writes that take effect and still answer an error, as a replica set's can: the write is
+/// applied on the primary, then its write concern fails and the reply carries a
+/// `writeConcernError` (the driver returns `Write(WriteConcernError)`). Drawn per write
+/// (update, replace, delete, insert, findAndModify) that ran without another error, from a
+/// generator of its own (the other faults' draws stay as they were), after every other
+/// fault of the request. A retryable write whose code is one the server labels
+/// `RetryableWriteError` (91, 189, 11602, ...) is retried by the driver and answered with the
+/// first run's result; 64 (WriteConcernFailed, a wtimeout) and every multi-document write
+/// reach the caller.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AfterEffect {
+    /// The chance per write.
+    pub p: f64,
+    /// The codes, one picked per fault (none: 64).
+    pub codes: Vec<i32>,
+}
+
 /// What the `mongodb` driver does above the server, which the daemon's `Driver` backend
 /// includes and the model therefore plays too (on by default, as against MongoDB):
 /// - retryable writes (every single-document write and insert) and retryable reads (find,
@@ -1183,14 +1204,26 @@ fn retryable_error(e: &MongoError) -> bool {
     match e.kind.as_ref() {
         mongodb::error::ErrorKind::Io(_) => true,
         mongodb::error::ErrorKind::Command(c) => RETRYABLE_CODES.contains(&c.code),
+        // The driver retries a write concern error only by its label (the server's).
+        mongodb::error::ErrorKind::Write(mongodb::error::WriteFailure::WriteConcernError(_)) => {
+            e.contains_label(RETRYABLE_WRITE_ERROR)
+        }
         _ => false,
     }
 }
 
-/// Errors after which the driver no longer takes the server for a reachable primary.
+/// Errors after which the driver no longer takes the server for a reachable primary (a
+/// write concern error's code counts, as SDAM reads it).
 fn marks_unknown(e: &MongoError) -> bool {
-    retryable_error(e)
+    match e.kind.as_ref() {
+        mongodb::error::ErrorKind::Write(mongodb::error::WriteFailure::WriteConcernError(w)) => {
+            RETRYABLE_CODES.contains(&w.code)
+        }
+        _ => retryable_error(e),
+    }
 }
+
+const RETRYABLE_WRITE_ERROR: &str = "RetryableWriteError";
 
 fn retryable_op(op: &Op) -> bool {
     !matches!(
@@ -1350,6 +1383,8 @@ struct Counters {
     updated: u64,
     deleted: u64,
     killed_max_time: u64,
+    /// Writes answered with a write concern error after their effect.
+    errors_after_effect: u64,
 }
 
 #[derive(Debug)]
@@ -1384,6 +1419,9 @@ struct State {
     /// Documents to insert just after the next claim read ran
     /// ([`MongoModel::insert_during_next_claim`]).
     armed: Vec<Armed>,
+    /// Writes that answer an error after their effect, and their own generator.
+    after_effect: AfterEffect,
+    after_rng: SplitMix,
 }
 
 /// A document waiting for a claim read to land beside: its collection, the document, and
@@ -1440,6 +1478,41 @@ fn write_error(code: i32, name: &str, message: &str) -> MongoError {
         )),
         Err(e) => MongoError::custom(format!("{name} ({code}): {message} [{e}]")),
     }
+}
+
+/// A reply's `writeConcernError` as the driver returns it: `Write(WriteConcernError)`, with
+/// the reply's `errorLabels` (`RetryableWriteError` makes the driver retry it).
+pub fn write_concern_error(wce: &Document, labels: &[String]) -> MongoError {
+    let mut reply = wce.clone();
+    reply.insert("errorLabels", labels.to_vec());
+    match bson::from_document::<mongodb::error::WriteConcernError>(reply) {
+        Ok(e) => MongoError::from(mongodb::error::ErrorKind::Write(
+            mongodb::error::WriteFailure::WriteConcernError(e),
+        )),
+        Err(e) => MongoError::custom(format!("write concern error {wce}: [{e}]")),
+    }
+}
+
+/// The `writeConcernError` of code `code` a primary reports once the write was applied.
+fn wce_of(code: i32) -> Document {
+    let (name, message) = match code {
+        64 => ("WriteConcernFailed", "waiting for replication timed out"),
+        91 => ("ShutdownInProgress", "Replication is being shut down"),
+        189 => (
+            "PrimarySteppedDown",
+            "Primary stepped down while waiting for replication",
+        ),
+        11602 => (
+            "InterruptedDueToReplStateChange",
+            "operation was interrupted while waiting for replication",
+        ),
+        _ => ("ModelFault", "injected by the model after the effect"),
+    };
+    let mut wce = doc! { "code": code, "codeName": name, "errmsg": message };
+    if code == 64 {
+        wce.insert("errInfo", doc! { "wtimeout": true });
+    }
+    wce
 }
 
 /// A statement's error as a write error (a command error of the stepdown stays one).
@@ -1557,6 +1630,8 @@ impl MongoModel {
             txns: HashMap::new(),
             next_txn: 0,
             armed: Vec::new(),
+            after_effect: AfterEffect::default(),
+            after_rng: SplitMix(seed ^ 0x0AF7_E2EF_FEC7),
         };
         Self {
             inner: Arc::new(Inner {
@@ -1595,6 +1670,11 @@ impl MongoModel {
         self.lock().faults = plan;
     }
 
+    /// How many writes answered a write concern error after their effect so far.
+    pub fn errors_after_effect(&self) -> u64 {
+        self.lock().counters.errors_after_effect
+    }
+
     /// The faults of one client.
     pub fn set_client_faults(&self, client: &str, plan: FaultPlan) {
         self.lock().client_faults.insert(client.to_string(), plan);
@@ -1610,6 +1690,16 @@ impl MongoModel {
         s.stepdown_until = None;
         s.fail_command = None;
         s.max_time_always = None;
+        s.after_effect = AfterEffect::default();
+    }
+
+    /// Writes answer a write concern error after their effect with chance `p`, with a code
+    /// picked from `codes` ([`AfterEffect`]); `p` 0 ends it.
+    pub fn set_error_after_effect(&self, p: f64, codes: &[i32]) {
+        self.lock().after_effect = AfterEffect {
+            p,
+            codes: codes.to_vec(),
+        };
     }
 
     /// Every client's requests fail with an I/O error for `d`; open change streams end.
@@ -1850,7 +1940,7 @@ impl MongoModel {
         let max_time = max_time_of(&request);
         let client = self.client.to_string();
         // Draw every fault of this request at once, in arrival order.
-        let (op_id, faults, cut, stall, latency, reply_latency, lose, error) = {
+        let (op_id, faults, cut, stall, latency, reply_latency, lose, error, after) = {
             let mut s = self.lock();
             let op_id = s.next_op_id();
             let plan = s.client_faults.get(&client).unwrap_or(&s.faults);
@@ -1868,6 +1958,19 @@ impl MongoModel {
             let reply_latency = s.rng.delay(faults.reply_latency);
             let lose = s.rng.chance(faults.p_lose_reply);
             let error = s.rng.chance(faults.p_error);
+            // From a generator of its own: the draws above stay as they were without it.
+            let after = if matches!(request, Request::Op(_)) && is_write(&request) {
+                let p = s.after_effect.p;
+                if s.after_rng.chance(p) {
+                    let n = s.after_effect.codes.len() as u64;
+                    let i = if n > 1 { s.after_rng.next() % n } else { 0 };
+                    Some(s.after_effect.codes.get(i as usize).copied().unwrap_or(64))
+                } else {
+                    None
+                }
+            } else {
+                None
+            };
             (
                 op_id,
                 faults,
@@ -1877,6 +1980,7 @@ impl MongoModel {
                 reply_latency,
                 lose,
                 error,
+                after,
             )
         };
         if cut {
@@ -1920,17 +2024,41 @@ impl MongoModel {
             );
             s.counters.commands.entry(wire.clone()).or_default().0 += 1;
         }
+        // A write concern error to answer once the write took effect: drawn, or set by a
+        // `failCommand` with `writeConcernError` (with its `errorLabels`).
+        let mut wce = after.map(|code| (wce_of(code), None));
         let result = self
             .run_on_server(
-                op_id, collection, &request, &wire, max_time, arrived, latency, error, &faults, txn,
+                op_id, collection, &request, &wire, max_time, arrived, latency, error, &faults,
+                txn, &mut wce,
             )
             .await;
+        let written = match &result {
+            Ok(Response::Reply(Reply::Written(w))) => Some(w.clone()),
+            _ => None,
+        };
+        // The write took effect (its documents are in the log); the reply is the error. On a
+        // retryable write the server labels a retryable code `RetryableWriteError`, as MongoDB
+        // 4.4+ does, unless the failpoint named the labels.
+        let result = match (result, wce) {
+            (Ok(Response::Reply(_)), Some((wce, labels)))
+                if matches!(request, Request::Op(_)) && is_write(&request) =>
+            {
+                let labels = labels.unwrap_or_else(|| {
+                    let code = wce.get_i32("code").unwrap_or(0);
+                    if txn.is_some() && RETRYABLE_CODES.contains(&code) {
+                        vec![RETRYABLE_WRITE_ERROR.to_string()]
+                    } else {
+                        Vec::new()
+                    }
+                });
+                self.lock().counters.errors_after_effect += 1;
+                Err(write_concern_error(&wce, &labels))
+            }
+            (result, _) => result,
+        };
         {
             let mut s = self.lock();
-            let written = match &result {
-                Ok(Response::Reply(Reply::Written(w))) => Some(w.clone()),
-                _ => None,
-            };
             if result.is_err() {
                 s.counters.commands.entry(wire.clone()).or_default().1 += 1;
             }
@@ -1986,11 +2114,14 @@ impl MongoModel {
         error: bool,
         faults: &Faults,
         txn: Option<u64>,
+        wce: &mut Option<(Document, Option<Vec<String>>)>,
     ) -> Result<Response, MongoError> {
-        // A retried write whose first run was applied: its recorded result.
+        // A retried write whose first run was applied: its recorded result (with no write
+        // concern error of its own).
         if let Some(t) = txn
             && let Some(reply) = self.lock().txns.get(&t).cloned()
         {
+            *wce = None;
             return Ok(Response::Reply(reply));
         }
         // The test failpoints, as `configureFailPoint` set them.
@@ -2005,6 +2136,14 @@ impl MongoModel {
             (fail, always)
         };
         if let Some(data) = fail {
+            if let Ok(w) = data.get_document("writeConcernError") {
+                let labels = data.get_array("errorLabels").ok().map(|a| {
+                    a.iter()
+                        .filter_map(|l| l.as_str().map(str::to_string))
+                        .collect()
+                });
+                *wce = Some((w.clone(), labels));
+            }
             if data.get_bool("blockConnection").unwrap_or(false) {
                 let ms = data
                     .get("blockTimeMS")

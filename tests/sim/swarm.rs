@@ -74,6 +74,11 @@ pub struct Knobs {
     pub mongo_p_lose_reply: f64,
     pub mongo_p_error: f64,
     pub mongo_p_stall: f64,
+    /// The chance that a write takes effect and still answers a write concern error (one of
+    /// [`ERROR_AFTER_EFFECT_CODES`]), while faults are on
+    /// ([`crate::sim::mongo::AfterEffect`]; [`Scenario::draw_error_after_effect`]).
+    #[serde(default)]
+    pub mongo_p_error_after_effect: f64,
     /// The server clock's drift while faults are on (parts per million).
     pub server_drift_ppm: i64,
     /// RabbitMQ model: the chance an ack waits for a multiple-ack, and of a nack.
@@ -224,6 +229,11 @@ pub const RACE_LATER_MS: (u64, u64) = (1_000, 20_000);
 /// the last reading (1 ms a second).
 pub const ON_TIME_SLACK_MS: u64 = 250;
 
+/// The write concern errors a write that took effect answers: WriteConcernFailed (a
+/// wtimeout, not retried), ShutdownInProgress, PrimarySteppedDown and
+/// InterruptedDueToReplStateChange (retried by the driver on a retryable write).
+pub const ERROR_AFTER_EFFECT_CODES: [i32; 4] = [64, 91, 189, 11602];
+
 /// The queue nothing is bound to.
 pub const UNROUTABLE: &str = "sim-unbound";
 
@@ -276,6 +286,7 @@ impl Scenario {
             mongo_p_lose_reply: *d.pick(&[0.0, 0.0, 0.01, 0.05]),
             mongo_p_error: *d.pick(&[0.0, 0.0, 0.01, 0.03]),
             mongo_p_stall: *d.pick(&[0.0, 0.0, 0.0, 0.01]),
+            mongo_p_error_after_effect: 0.0,
             // A server clock slower than this host's by as much as timeoutd allows for
             // (`MAX_DRIFT_PPM`, which `ServerClock::earliest` widens by): the edge of what it
             // must hold. Faster clocks are bounded by the lease margin instead.
@@ -415,6 +426,7 @@ impl Scenario {
         let on_time = Self::draw_on_time(seed, &knobs, destinations.len(), &faults, faults_end_ms);
         records.extend(on_time);
         Self::draw_ticks(seed, &mut records);
+        Self::draw_error_after_effect(seed, &mut knobs);
         Scenario {
             seed,
             knobs,
@@ -439,6 +451,15 @@ impl Scenario {
             if d.chance(0.5) {
                 r.due_ticks = d.range(1, 9_999) as u16;
             }
+        }
+    }
+
+    /// In one seed of three, writes that take effect and still answer a write concern error,
+    /// at a modest rate: from a generator of its own, as [`Scenario::draw_actions`].
+    fn draw_error_after_effect(seed: u64, knobs: &mut Knobs) {
+        let mut d = Draw::new(seed ^ 0x0AF7_E2EF_FEC7);
+        if d.chance(1.0 / 3.0) {
+            knobs.mongo_p_error_after_effect = *d.pick(&[0.005, 0.02, 0.05]);
         }
     }
 
