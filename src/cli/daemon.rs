@@ -235,7 +235,11 @@ async fn start(
     }
     tasks.spawn(
         "indexes",
-        ok(crate::store::indexes::run(store.clone(), shutdown.clone())),
+        ok(crate::store::indexes::run(
+            store.clone(),
+            config.history.is_on().then_some(config.history.keep),
+            shutdown.clone(),
+        )),
     );
     // The one learner of the `Time` shapes, for the claims and the monitor.
     let (learner, shapes) = crate::store::shapes::learner(&store);
@@ -268,10 +272,9 @@ async fn start(
     );
     let history = config.history.is_on().then(|| {
         let (sink, rows) = crate::store::history::channel();
-        let keep = config.history.keep;
         tasks.spawn(
             "history",
-            ok(crate::store::history::run(store.clone(), keep, rows)),
+            ok(crate::store::history::write(store.clone(), rows)),
         );
         sink
     });

@@ -246,6 +246,52 @@ fn same_key_pattern(a: &Document, b: &Document) -> bool {
         })
 }
 
+/// The indexes of timeoutd's own collections, each set asked for until it exists.
+async fn own_indexes(store: Store, history_keep: Option<Duration>, shutdown: CancellationToken) {
+    let (mut parking, mut control, mut history) = (false, false, history_keep.is_none());
+    loop {
+        if !parking {
+            let parked = store.parking();
+            let created = store.bounded("create parking indexes", parked.ensure_indexes());
+            parking = match created.await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not create the parking and attempts indexes");
+                    false
+                }
+            };
+        }
+        if !control {
+            let created = store.bounded("create control indexes", store.ensure_control_indexes());
+            control = match created.await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not create the control collection's indexes");
+                    false
+                }
+            };
+        }
+        if let (false, Some(keep)) = (history, history_keep) {
+            let created =
+                store.bounded("create history indexes", store.ensure_history_indexes(keep));
+            history = match created.await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not create the history collection's indexes (its TTL among them); history rows are written meanwhile");
+                    false
+                }
+            };
+        }
+        if parking && control && history {
+            return;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(ASK_AGAIN) => {}
+        }
+    }
+}
+
 pub(crate) async fn list_indexes(coll: &Coll) -> Result<Vec<(String, Document)>, MongoError> {
     let command = doc! { "listIndexes": coll.name(), "maxTimeMS": coll.max_time_ms() };
     let reply = match coll.backend().command(command).await {
@@ -290,25 +336,19 @@ async fn estimated_count(coll: &Coll) -> Result<u64, MongoError> {
     }
 }
 
-/// The daemon's `indexes` task (see the module): asks for timeoutd's indexes, and those of
-/// its parking, attempts and control collections, until every one exists; then waits for
-/// shutdown.
-pub async fn run(store: Store, shutdown: CancellationToken) {
-    let parking = store.parking();
-    let own = async {
-        let created = store.bounded("create parking indexes", parking.ensure_indexes());
-        if let Err(e) = created.await {
-            tracing::warn!(error = %e, "could not create the parking and attempts indexes; continuing");
-        }
-        let created = store.bounded("create control indexes", store.ensure_control_indexes());
-        if let Err(e) = created.await {
-            tracing::warn!(error = %e, "could not create the control collection's indexes; continuing");
-        }
-    };
-    tokio::select! {
-        _ = shutdown.cancelled() => return,
-        _ = own => {}
-    }
+/// The daemon's `indexes` task (see the module): asks for the indexes of timeoutd's own
+/// collections (parking, attempts, control and, with `history_keep`, history, its TTL among
+/// them), again every [`ASK_AGAIN`] until each set exists; and for those on the timeouts
+/// collection until every one exists; then waits for shutdown. Before (found in review), the
+/// own collections' indexes were asked for once a process: one failure left the history
+/// without its TTL until a restart.
+pub async fn run(store: Store, history_keep: Option<Duration>, shutdown: CancellationToken) {
+    let own = own_indexes(store.clone(), history_keep, shutdown.clone());
+    tokio::join!(own, timeouts_indexes(store, shutdown));
+}
+
+/// The indexes of the timeouts collection, until every one exists; then waits for shutdown.
+async fn timeouts_indexes(store: Store, shutdown: CancellationToken) {
     let mut listing = Pacing::new(store.operation_timeout());
     // Each index asked for, when, and whether the server refused it (not still building).
     let mut asked: HashMap<&'static str, (Instant, bool)> = HashMap::new();
@@ -408,6 +448,39 @@ mod tests {
         }
     }
 
+    /// The history collection's indexes (its TTL among them) were asked for once a process:
+    /// one failure left the history growing without expiry until a restart (found in
+    /// review). They are asked for again until they exist.
+    #[tokio::test(start_paused = true)]
+    async fn the_history_indexes_are_asked_for_again_until_they_exist() {
+        let asked = Arc::new(Mutex::new(0));
+        let history = asked.clone();
+        let command = move |c: Document| match c.keys().next().map(String::as_str) {
+            Some("createIndexes") if c.get_str("createIndexes") == Ok("Timeouts_history") => {
+                let mut n = history.lock().unwrap_or_else(|e| e.into_inner());
+                *n += 1;
+                match *n {
+                    1 => Err(command_error(91, "ShutdownInProgress", "shutting down")),
+                    _ => Ok(doc! { "ok": 1 }),
+                }
+            }
+            Some("listIndexes") => Err(command_error(26, "NamespaceNotFound", "no collection")),
+            Some("collMod") => Err(command_error(27, "IndexNotFound", "no such index")),
+            _ => Ok(doc! { "ok": 1 }),
+        };
+        let backend = Answering(|_: Op| Ok(Reply::Docs(Vec::new())), command);
+        let config = MongoConfig::default();
+        let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
+        let stop = CancellationToken::new();
+        let keep = Some(Duration::from_secs(86_400));
+        let task = crate::host::spawn(run(store, keep, stop.clone()));
+        tokio::time::sleep(ASK_AGAIN * 3).await;
+        stop.cancel();
+        task.await.expect("the index task ends at shutdown");
+        // The TTL's first ask failed; the second created it and the two lookup indexes.
+        assert_eq!(*asked.lock().unwrap_or_else(|e| e.into_inner()), 4);
+    }
+
     /// An index with the keys of one of ours under another name serves as ours: it was
     /// asked for every 5 minutes and refused, with `timeoutd_indexes_missing` stuck at 1.
     #[tokio::test(start_paused = true)]
@@ -453,7 +526,7 @@ mod tests {
             .finish();
         let _logging = tracing::subscriber::set_default(subscriber);
         let stop = CancellationToken::new();
-        let task = crate::host::spawn(run(store, stop.clone()));
+        let task = crate::host::spawn(run(store, None, stop.clone()));
         tokio::time::sleep(CHECK_EVERY * 5).await;
         stop.cancel();
         task.await.expect("the index task ends at shutdown");

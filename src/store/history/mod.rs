@@ -165,16 +165,6 @@ pub fn channel() -> (HistorySink, mpsc::Receiver<Vec<Row>>) {
     (HistorySink { tx }, rx)
 }
 
-/// The daemon's `history` task: asks for the history collection's indexes (the TTL among
-/// them; never waited for by start-up, like timeoutd's other indexes), then [`write`]s.
-pub async fn run(store: Store, keep: Duration, rows: mpsc::Receiver<Vec<Row>>) {
-    let indexes = store.ensure_history_indexes(keep);
-    if let Err(e) = store.bounded("create history indexes", indexes).await {
-        tracing::warn!(error = %e, "could not create the history collection's indexes (its TTL among them); history rows are written but may not expire until a restart creates them");
-    }
-    write(store, rows).await
-}
-
 /// The writer: one write per wave (or per set of waves that queued meanwhile), until every
 /// sink is gone (the dispatch loop ended).
 pub async fn write(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
