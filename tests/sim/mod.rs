@@ -76,6 +76,10 @@ pub mod models {
         let m = MongoModel::new(database, seed, start_unix_ms);
         m.keep_log(false);
         m.set_faults(plan(k));
+        m.set_error_after_effect(
+            k.mongo_p_error_after_effect,
+            &super::swarm::ERROR_AFTER_EFFECT_CODES,
+        );
         if k.server_drift_ppm != 0 {
             m.set_drift_ppm(k.server_drift_ppm);
         }
