@@ -416,7 +416,7 @@ async fn a_stalled_count_lookup_still_writes_the_rows() {
     sink.record(rows);
     drop(sink);
     // The writer ends once every sink is gone and what they queued is written (or lost).
-    history::write(store, rx).await;
+    history::run(store, rx).await;
     fail::remove("history-attempts-stall");
     let after = recorder.render();
     assert_eq!(

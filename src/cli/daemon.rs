@@ -274,7 +274,7 @@ async fn start(
         let (sink, rows) = crate::store::history::channel();
         tasks.spawn(
             "history",
-            ok(crate::store::history::write(store.clone(), rows)),
+            ok(crate::store::history::run(store.clone(), rows)),
         );
         sink
     });

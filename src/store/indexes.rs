@@ -248,39 +248,34 @@ fn same_key_pattern(a: &Document, b: &Document) -> bool {
 
 /// The indexes of timeoutd's own collections, each set asked for until it exists.
 async fn own_indexes(store: Store, history_keep: Option<Duration>, shutdown: CancellationToken) {
+    // Whether one set was created; a failure is warned of and asked for again.
+    async fn created(
+        store: &Store,
+        what: &'static str,
+        call: impl std::future::Future<Output = Result<(), StoreError>>,
+    ) -> bool {
+        match store.bounded(what, call).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not {what}");
+                false
+            }
+        }
+    }
     let (mut parking, mut control, mut history) = (false, false, history_keep.is_none());
     loop {
         if !parking {
             let parked = store.parking();
-            let created = store.bounded("create parking indexes", parked.ensure_indexes());
-            parking = match created.await {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not create the parking and attempts indexes");
-                    false
-                }
-            };
+            let what = "create the parking and attempts indexes";
+            parking = created(&store, what, parked.ensure_indexes()).await;
         }
         if !control {
-            let created = store.bounded("create control indexes", store.ensure_control_indexes());
-            control = match created.await {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not create the control collection's indexes");
-                    false
-                }
-            };
+            let what = "create the control collection's indexes";
+            control = created(&store, what, store.ensure_control_indexes()).await;
         }
         if let (false, Some(keep)) = (history, history_keep) {
-            let created =
-                store.bounded("create history indexes", store.ensure_history_indexes(keep));
-            history = match created.await {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?ASK_AGAIN, "could not create the history collection's indexes (its TTL among them); history rows are written meanwhile");
-                    false
-                }
-            };
+            let what = "create the history collection's indexes (its TTL among them)";
+            history = created(&store, what, store.ensure_history_indexes(keep)).await;
         }
         if parking && control && history {
             return;

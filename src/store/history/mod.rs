@@ -3,7 +3,7 @@
 //! records parked and cancelled ones there too, with what was done and why.
 //!
 //! The daemon never waits for history: the dispatch loop hands each confirmed wave's rows to
-//! [`HistorySink::record`], which queues them for [`write`], a task of its own that writes
+//! [`HistorySink::record`], which queues them for [`run`], a task of its own that writes
 //! them with one `insertMany` per wave (waves that queued up meanwhile go into the same
 //! write), each under `[mongodb] operation_timeout`. The removal of the sent records does not
 //! wait for it, and a failed write loses rows, never a record: it is counted
@@ -159,15 +159,16 @@ impl HistorySink {
     }
 }
 
-/// A sink and the receiving end for [`write`].
+/// A sink and the receiving end for [`run`].
 pub fn channel() -> (HistorySink, mpsc::Receiver<Vec<Row>>) {
     let (tx, rx) = mpsc::channel(QUEUED_WAVES);
     (HistorySink { tx }, rx)
 }
 
-/// The writer: one write per wave (or per set of waves that queued meanwhile), until every
-/// sink is gone (the dispatch loop ended).
-pub async fn write(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
+/// The daemon's `history` task, the writer: one write per wave (or per set of waves that
+/// queued meanwhile), until every sink is gone (the dispatch loop ended). Its indexes are
+/// the `indexes` task's ([`crate::store::indexes::run`]).
+pub async fn run(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
     while let Some(mut rows) = rx.recv().await {
         while rows.len() < ROWS_PER_WRITE
             && let Ok(more) = rx.try_recv()
