@@ -90,7 +90,7 @@ pub const TASKS: &[&str] = &[
     "shapes",
 ];
 /// `timeoutd_history_lost_total{reason}`.
-pub const HISTORY_LOST_REASONS: &[&str] = &["write_failed", "backlog"];
+pub const HISTORY_LOST_REASONS: &[&str] = &["write_failed", "backlog", "shutdown"];
 
 /// A series' Prometheus type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -317,7 +317,7 @@ pub const SERIES: &[Series] = &[
     ),
     counter(
         "timeoutd_history_lost_total",
-        "History rows not written, by reason: write_failed (the write failed or timed out), backlog (the writer was too far behind); the timeouts themselves were unaffected.",
+        "History rows not written, by reason: write_failed (the write failed or timed out), backlog (the writer was too far behind), shutdown (still queued when the shutdown's drain ended); the timeouts themselves were unaffected.",
     )
     .by("reason", HISTORY_LOST_REASONS),
     gauge(

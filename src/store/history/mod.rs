@@ -168,21 +168,50 @@ pub fn channel() -> (HistorySink, mpsc::Receiver<Vec<Row>>) {
 /// The daemon's `history` task, the writer: one write per wave (or per set of waves that
 /// queued meanwhile), until every sink is gone (the dispatch loop ended). Its indexes are
 /// the `indexes` task's ([`crate::store::indexes::run`]).
-pub async fn run(store: Store, mut rx: mpsc::Receiver<Vec<Row>>) {
-    while let Some(mut rows) = rx.recv().await {
+pub async fn run(store: Store, rx: mpsc::Receiver<Vec<Row>>) {
+    let mut queue = Queue { rx, writing: 0 };
+    while let Some(mut rows) = queue.rx.recv().await {
         while rows.len() < ROWS_PER_WRITE
-            && let Ok(more) = rx.try_recv()
+            && let Ok(more) = queue.rx.try_recv()
         {
             rows.extend(more);
         }
         let n = rows.len();
+        queue.writing = n;
         // Each MongoDB call of the write carries its own deadline (see `write_history`).
-        match store.write_history(rows).await {
+        let written = store.write_history(rows).await;
+        queue.writing = 0;
+        match written {
             Ok(()) => m::history_written(n),
             Err(e) => {
                 m::history_lost("write_failed", n);
                 tracing::warn!(rows = n, error = %e, "could not write history rows; the timeouts themselves were sent and removed");
             }
+        }
+    }
+}
+
+/// The writer's queue, and how many rows its write in progress holds. Dropped before the
+/// queue ran dry (the drain's deadline aborted the writer, MongoDB not answering at
+/// shutdown), the rows left are counted lost; before (found in review), they went
+/// uncounted.
+struct Queue {
+    rx: mpsc::Receiver<Vec<Row>>,
+    writing: usize,
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        let mut left = self.writing;
+        while let Ok(rows) = self.rx.try_recv() {
+            left += rows.len();
+        }
+        if left > 0 {
+            m::history_lost("shutdown", left);
+            tracing::warn!(
+                rows = left,
+                "history rows not written before the end of the shutdown's drain; the timeouts themselves were sent and removed"
+            );
         }
     }
 }
@@ -311,6 +340,40 @@ mod tests {
     use crate::config::MongoConfig;
     use crate::store::ServerClock;
     use crate::store::backend::{Answering, Op, Reply, command_error};
+
+    /// Found in review (helper-33): rows still queued, or in a write, when the drain's
+    /// deadline aborted the writer (MongoDB not answering at shutdown) went uncounted.
+    #[tokio::test(start_paused = true)]
+    async fn rows_left_when_the_writer_is_stopped_are_counted_lost() {
+        let recorder = crate::service::http::prometheus();
+        let lost = |text: &str| -> f64 {
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix("timeoutd_history_lost_total{reason=\"shutdown\"} ")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .unwrap_or(0.0)
+        };
+        let before = lost(&recorder.render());
+        let backend = Answering::new(|_: Op| crate::store::backend::Answer::Never);
+        let config = MongoConfig::default();
+        let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
+        let row = || Row {
+            doc: doc! { "event": "fired" },
+            attempts_of: None,
+        };
+        let (sink, rx) = channel();
+        sink.record(vec![row(), row(), row()]);
+        let writer = crate::host::spawn(run(store, rx));
+        // The writer is in its write of three; two more rows queue behind it.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        sink.record(vec![row(), row()]);
+        writer.abort();
+        assert!(writer.await.is_err(), "aborted");
+        assert_eq!(lost(&recorder.render()) - before, 5.0);
+    }
 
     /// A `keep` changed since the TTL index was made is applied with `collMod`, which carries
     /// the server's deadline like every command but `createIndexes` (it went without one).
