@@ -165,9 +165,12 @@ pub async fn parked(action: ParkedCommand, store: &Store) -> anyhow::Result<()> 
             }
             report(store, "parked requeue", &change, &done, details).await?;
             match stopped {
-                Some(e) => Err(anyhow::Error::from(e).context(
-                    "stopped there: the records before it were dealt with as listed; run the command again for the rest",
-                )),
+                // As `cancel` and `reschedule` say it.
+                Some(error) => Err(OpsError::Stopped {
+                    done: Vec::new(),
+                    error,
+                }
+                .into()),
                 None => Ok(()),
             }
         }

@@ -149,35 +149,6 @@ impl Config {
                 ),
             );
         }
-        let positive = |r: f64| r.is_finite() && r > 0.0;
-        // A rate that lets no record out within a lease: every record past the first is
-        // released as soon as it is claimed, and claimed again at once, for ever (found in
-        // review: at 0.002/s under a 300 s lease, a claim-and-release loop of whole batches).
-        let sendable = d
-            .lock_lease
-            .saturating_sub(d.lease_safety_margin)
-            .as_secs_f64();
-        let too_slow = |r: f64| positive(r) && r * sendable < 1.0;
-        let slow = |key: &str, bad: &mut dyn FnMut(&str, &str)| {
-            bad(
-                key,
-                &format!(
-                    "must let one record out per lease: at least {:.6} a second with dispatch.lock_lease {} and dispatch.lease_safety_margin {}",
-                    1.0 / sendable.max(f64::MIN_POSITIVE),
-                    humantime::format_duration(d.lock_lease),
-                    humantime::format_duration(d.lease_safety_margin)
-                ),
-            )
-        };
-        if d.max_rate.is_some_and(|r| !positive(r)) {
-            bad(
-                "dispatch.max_rate",
-                "must be a number of records a second above zero",
-            );
-        }
-        if d.max_rate.is_some_and(too_slow) {
-            slow("dispatch.max_rate", &mut bad);
-        }
         let mut names = std::collections::HashSet::new();
         for (i, limit) in d.destination.iter().enumerate() {
             let name = format!("dispatch.destination[{i}].name");
@@ -186,11 +157,33 @@ impl Config {
             } else if !names.insert(limit.name.as_str()) {
                 bad(&name, &format!("`{}` is listed twice", limit.name));
             }
-            let key = format!("dispatch.destination[{i}].max_rate");
-            if !positive(limit.max_rate) {
+        }
+        // Each rate a number above zero that lets a record out within a lease: at a slower
+        // one every record past the first is released as soon as it is claimed, and claimed
+        // again at once, for ever (found in review: at 0.002/s under a 300 s lease, a
+        // claim-and-release loop of whole batches).
+        let sendable = d
+            .lock_lease
+            .saturating_sub(d.lease_safety_margin)
+            .as_secs_f64();
+        let too_slow = format!(
+            "must let one record out per lease: at least {:.6} a second with dispatch.lock_lease {} and dispatch.lease_safety_margin {}",
+            1.0 / sendable.max(f64::MIN_POSITIVE),
+            humantime::format_duration(d.lock_lease),
+            humantime::format_duration(d.lease_safety_margin)
+        );
+        let rates = d.max_rate.map(|r| ("dispatch.max_rate".to_string(), r));
+        let rates = rates.into_iter().chain(
+            d.destination
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (format!("dispatch.destination[{i}].max_rate"), l.max_rate)),
+        );
+        for (key, rate) in rates {
+            if !(rate.is_finite() && rate > 0.0) {
                 bad(&key, "must be a number of records a second above zero");
-            } else if too_slow(limit.max_rate) {
-                slow(&key, &mut bad);
+            } else if rate * sendable < 1.0 {
+                bad(&key, &too_slow);
             }
         }
         if let Some(problem) = self.history.problem() {

@@ -22,16 +22,20 @@ use super::{TestEnv, amqp_uri, eventually};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_timeoutd");
 
-/// Runs the binary to its end with `args`, in the caller's environment without `RUST_LOG`
-/// and `TIMEOUTD_CONFIG`, plus `vars`.
-pub fn run(args: &[&str], vars: &[(String, String)]) -> std::process::Output {
-    std::process::Command::new(BIN)
-        .args(args)
+/// The binary with `args`, in the caller's environment without `RUST_LOG` and
+/// `TIMEOUTD_CONFIG`, plus `vars`.
+pub fn command(args: &[&str], vars: &[(String, String)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args(args)
         .env_remove("RUST_LOG")
         .env_remove("TIMEOUTD_CONFIG")
-        .envs(vars.iter().cloned())
-        .output()
-        .expect("run timeoutd")
+        .envs(vars.iter().cloned());
+    cmd
+}
+
+/// Runs the binary to its end (see [`command`]).
+pub fn run(args: &[&str], vars: &[(String, String)]) -> std::process::Output {
+    command(args, vars).output().expect("run timeoutd")
 }
 
 /// `env.env_vars(c)` plus the keys it leaves out that fault tests set.

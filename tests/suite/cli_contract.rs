@@ -381,11 +381,7 @@ fn completions_and_man_pages_cover_every_command() {
 fn run_into_a_closed_pipe(args: &[&str], vars: &[(String, String)]) -> Output {
     let (reader, writer) = std::io::pipe().unwrap();
     drop(reader);
-    std::process::Command::new(crate::common::fleet::BIN)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .env_remove("TIMEOUTD_CONFIG")
-        .envs(vars.iter().cloned())
+    crate::common::fleet::command(args, vars)
         .stdout(writer)
         .stderr(std::process::Stdio::piped())
         .output()
