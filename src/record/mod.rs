@@ -27,6 +27,51 @@ pub mod field {
     pub const LOCKED: &str = "Locked";
     pub const LOCKED_BY: &str = "LockedBy";
     pub const LOCK_EXPIRES_AT: &str = "LockExpiresAt";
+    /// Not ServiceConnect's: set by [`super::from_stored`] on a document read with bytes
+    /// that are not UTF-8, never written to `Timeouts` (see there).
+    pub const INVALID_UTF8: &str = "timeoutd.invalid_utf8";
+}
+
+/// A document as the server sent it, read whatever its strings hold. BSON strings must be
+/// UTF-8, and the `bson` crate refuses a document with one that is not: read as a
+/// `Document`, one such record, written by a client that does not check (MongoDB stores what
+/// it is sent), failed every read of the batch it was in, and so every claim of the fleet
+/// (found in review). Such a document is read with each bad string lossily decoded (U+FFFD),
+/// and [`field::INVALID_UTF8`] added: the top-level fields that held the bad bytes and the
+/// document's original bytes. [`TimeoutRecord::decode`] refuses it, so the record is parked
+/// with that reason and its bytes kept; a requeue will not put the altered copy back.
+pub fn from_stored(raw: &bson::RawDocument) -> Document {
+    if let Ok(doc) = Document::try_from(raw) {
+        return doc;
+    }
+    let mut fields = Vec::new();
+    for element in raw.iter_elements() {
+        match element {
+            Ok(e) => {
+                if e.value().and_then(Bson::try_from).is_err() {
+                    fields.push(e.key().to_owned());
+                }
+            }
+            Err(e) => fields.push(e.key().unwrap_or("?").to_owned()),
+        }
+    }
+    let lossy = bson::from_slice::<bson::serde_helpers::Utf8LossyDeserialization<Document>>;
+    let mut doc = lossy(raw.as_bytes()).map(|d| d.0).unwrap_or_default();
+    if !doc.contains_key(field::ID)
+        && let Ok(Some(id)) = raw.get(field::ID)
+        && let Ok(id) = Bson::try_from(id)
+    {
+        doc.insert(field::ID, id);
+    }
+    let bytes = bson::Binary {
+        subtype: bson::spec::BinarySubtype::Generic,
+        bytes: raw.as_bytes().to_vec(),
+    };
+    doc.insert(
+        field::INVALID_UTF8,
+        bson::doc! { "fields": fields, "bytes": bytes },
+    );
+    doc
 }
 
 /// .NET ticks (100 ns since 0001-01-01) at the Unix epoch.
@@ -163,6 +208,8 @@ pub enum DecodeError {
     Time(&'static str),
     #[error("Headers is not a document")]
     Headers,
+    #[error("not UTF-8 in {0} (the original bytes are kept under `{INVALID_UTF8}`)", INVALID_UTF8 = field::INVALID_UTF8)]
+    InvalidUtf8(String),
 }
 
 impl TimeoutRecord {
@@ -174,6 +221,13 @@ impl TimeoutRecord {
     /// Decodes a raw `Timeouts` document (`Decoding::from(encoding)` to keep the headers).
     pub fn decode(doc: &Document, decoding: impl Into<Decoding>) -> Result<Self, DecodeError> {
         let decoding = decoding.into();
+        if let Some(bad) = doc.get(field::INVALID_UTF8) {
+            let fields = bad.as_document().and_then(|b| b.get_array("fields").ok());
+            let names = fields.into_iter().flatten().filter_map(Bson::as_str);
+            return Err(DecodeError::InvalidUtf8(
+                names.collect::<Vec<_>>().join(", "),
+            ));
+        }
         let id = doc
             .get(field::ID)
             .and_then(bson_uuid)
@@ -232,6 +286,57 @@ impl TimeoutRecord {
 mod tests {
     use super::*;
     use bson::doc;
+
+    /// A ServiceConnect record with bytes that are not UTF-8 in `Destination` and in a
+    /// header's value, as a client that does not check could store it.
+    fn with_invalid_utf8() -> (Uuid, Vec<u8>) {
+        let id = Uuid::from_u128(7);
+        let record = TimeoutRecord {
+            id,
+            destination: "q-@@@".into(),
+            process_manager_id: Uuid::from_u128(8),
+            due: DateTime::from_millis(1_767_225_600_000),
+            headers: doc! { "h": "v-@@@" },
+        };
+        let mut bytes = bson::to_vec(&record.to_document(TimeEncoding::Auto)).expect("bytes");
+        for at in 0..bytes.len() - 2 {
+            if bytes[at..at + 3] == *b"@@@" {
+                bytes[at..at + 3].copy_from_slice(&[0xff, 0xfe, b'x']);
+            }
+        }
+        (id, bytes)
+    }
+
+    /// Found in review (helper-34): read as a `Document`, a record with bytes that are not
+    /// UTF-8 failed the whole read, so every claim of the fleet; now it is read, refused by
+    /// the decoder naming its fields (to be parked), and its bytes kept.
+    #[test]
+    fn a_document_with_bytes_that_are_not_utf8_is_read_and_refused() {
+        let (id, bytes) = with_invalid_utf8();
+        let raw = bson::RawDocument::from_bytes(&bytes).expect("well-formed BSON");
+        assert!(
+            Document::try_from(raw).is_err(),
+            "the strict read refuses it"
+        );
+        let doc = from_stored(raw);
+        assert_eq!(doc.get(field::ID), Some(&uuid_bson(id)));
+        assert_eq!(doc.get_str(field::DESTINATION), Ok("q-\u{FFFD}\u{FFFD}x"));
+        let kept = doc.get_document(field::INVALID_UTF8).expect("marked");
+        assert_eq!(
+            kept.get_binary_generic("bytes").expect("bytes"),
+            &bytes,
+            "the original bytes"
+        );
+        assert_eq!(
+            TimeoutRecord::decode(&doc, TimeEncoding::Auto),
+            Err(DecodeError::InvalidUtf8("Destination, Headers".into()))
+        );
+        // A document that is UTF-8 throughout is read as it is, unmarked.
+        let good = doc! { field::ID: uuid_bson(id), field::DESTINATION: "q" };
+        let good_bytes = bson::to_vec(&good).expect("bytes");
+        let read = from_stored(bson::RawDocument::from_bytes(&good_bytes).expect("BSON"));
+        assert_eq!(read, good);
+    }
 
     #[test]
     fn ticks_match_the_interop_example() {

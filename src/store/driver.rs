@@ -7,7 +7,7 @@
 use std::future::IntoFuture;
 use std::time::Duration;
 
-use bson::Document;
+use bson::{Document, RawDocumentBuf};
 use futures::future::BoxFuture;
 use futures::{StreamExt, TryStreamExt};
 use mongodb::options::{
@@ -18,6 +18,7 @@ use mongodb::results::UpdateResult;
 use mongodb::{Client, Database};
 
 use crate::config::MongoConfig;
+use crate::record::from_stored;
 use crate::store::StoreError;
 use crate::store::backend::{AWAIT, Backend, ChangeStream, MongoError, Op, Reply, Written};
 
@@ -109,8 +110,15 @@ async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoErr
                 .limit(limit)
                 .max_time(max_time)
                 .build();
-            let found = coll.find(filter).with_options(options).await?;
-            Ok(Reply::Docs(found.try_collect().await?))
+            // Raw, each read on its own: see `crate::record::from_stored`.
+            let raw = coll.clone_with_type::<RawDocumentBuf>();
+            let found: Vec<RawDocumentBuf> = raw
+                .find(filter)
+                .with_options(options)
+                .await?
+                .try_collect()
+                .await?;
+            Ok(Reply::Docs(found.iter().map(|d| from_stored(d)).collect()))
         }
         Op::Count {
             filter,
@@ -170,8 +178,11 @@ async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoErr
                     false => ReturnDocument::Before,
                 })
                 .build();
-            let call = coll.find_one_and_update(filter, update);
-            Ok(Reply::Doc(call.with_options(options).await?))
+            let raw = coll.clone_with_type::<RawDocumentBuf>();
+            let call = raw
+                .find_one_and_update(filter, update)
+                .with_options(options);
+            Ok(Reply::Doc(call.await?.as_deref().map(from_stored)))
         }
         Op::Delete { filter, many } => {
             let r = match many {
@@ -226,7 +237,7 @@ impl Backend for Driver {
                 .pipeline(pipeline)
                 .max_await_time(AWAIT)
                 .await?
-                .with_type::<Document>();
+                .with_type::<RawDocumentBuf>();
             // One item per read (`getMore`), an empty one included, rather than the driver's
             // `Stream`, which reads again in silence until an event comes: a read the server
             // never answers would look like a quiet stream. Ends once the cursor is closed.
@@ -235,6 +246,7 @@ impl Backend for Driver {
                     return None;
                 }
                 let read = stream.next_if_any().await;
+                let read = read.map(|event| event.as_deref().map(from_stored));
                 Some((read, stream))
             })
             .boxed())

@@ -125,8 +125,9 @@ pub enum Requeued {
     /// Requeued, but a daemon claimed it, failed again and parked it again before the old
     /// parked copy was deleted: the new parked copy is kept.
     ParkedAgain,
-    /// The parked copy holds no record with its `_id` (it was not written by a park): left
-    /// as it is, and nothing put into `Timeouts`.
+    /// The parked copy holds no record with its `_id` (it was not written by a park), or one
+    /// read with bytes that were not UTF-8 (`crate::record::from_stored`): left as it is, and
+    /// nothing put into `Timeouts`.
     Unreadable,
     /// An earlier requeue of this copy was cut short, or one runs now: it may have put the
     /// record back, and the record may have fired since. Not put back again unless forced.
@@ -388,10 +389,15 @@ impl Parking {
         force: bool,
     ) -> Result<Requeued, StoreError> {
         let id = parked.get(field::ID).cloned().unwrap_or(Bson::Null);
-        // Only the record a park wrote, under its own `_id`: anything else would put a
-        // document into `Timeouts` that is no record of it.
+        // Only the record a park wrote, under its own `_id`, as it was stored: anything else
+        // would put a document into `Timeouts` that is no record of it, and one read with
+        // bytes that were not UTF-8 was altered by the read (`crate::record::from_stored`).
         let record = match parked.get(parked_field::RECORD) {
-            Some(Bson::Document(r)) if r.get(field::ID) == Some(&id) => r.clone(),
+            Some(Bson::Document(r))
+                if r.get(field::ID) == Some(&id) && !r.contains_key(field::INVALID_UTF8) =>
+            {
+                r.clone()
+            }
             _ => return Ok(Requeued::Unreadable),
         };
         // Copies parked before park_id existed have none: null matches a missing field.
@@ -688,6 +694,12 @@ mod tests {
             Some(Bson::Document(
                 doc! { field::ID: other, field::DESTINATION: "q" },
             )),
+            // Read with bytes that were not UTF-8: its `Destination` is not what was stored.
+            Some(Bson::Document(doc! {
+                field::ID: id.clone(),
+                field::DESTINATION: "q\u{FFFD}",
+                field::INVALID_UTF8: { "fields": ["Destination"] },
+            })),
         ] {
             let mut parked = doc! { field::ID: id.clone(), parked_field::PARK_ID: 1 };
             if let Some(r) = record {
