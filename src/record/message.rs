@@ -141,6 +141,54 @@ pub fn format_dotnet_double(v: f64) -> String {
     format!("{sign}{whole}.{fraction}")
 }
 
+/// A `Decimal128` as .NET prints the `decimal` it reads it as: fixed-point, its scale kept
+/// (`1.50`), never an exponent; `None` for what a `decimal` cannot hold (NaN, infinities,
+/// more than 96 bits of coefficient, a scale past 28). Before (found in review, helper-34),
+/// every `Decimal128` header was dropped.
+pub fn format_dotnet_decimal(d: bson::Decimal128) -> Option<String> {
+    let text = d.to_string();
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.as_str()),
+    };
+    let (mantissa, exp) = match unsigned.split_once('E') {
+        Some((m, e)) => (m, e.parse::<i32>().ok()?),
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if !whole
+        .bytes()
+        .chain(fraction.bytes())
+        .all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let mut digits = format!("{whole}{fraction}");
+    let mut scale = i32::try_from(fraction.len()).ok()?.checked_sub(exp)?;
+    if scale < 0 {
+        digits.push_str(&"0".repeat(usize::try_from(-scale).ok()?));
+        scale = 0;
+    }
+    let digits = digits.trim_start_matches('0');
+    let coefficient = match digits {
+        "" => 0,
+        _ => digits.parse::<u128>().ok()?,
+    };
+    if scale > 28 || digits.len() > 29 || coefficient >= 1 << 96 {
+        return None;
+    }
+    let scale = usize::try_from(scale).ok()?;
+    let padded = format!("{digits:0>width$}", width = scale + 1);
+    let (int, frac) = padded.split_at(padded.len() - scale);
+    let sign = if negative && !digits.is_empty() {
+        "-"
+    } else {
+        ""
+    };
+    let point = if frac.is_empty() { "" } else { "." };
+    Some(format!("{sign}{int}{point}{frac}"))
+}
+
 /// A stored header value as the string ServiceConnect would send, or `None` to drop it.
 pub fn header_value_string(value: &Bson) -> Option<String> {
     match value {
@@ -151,6 +199,7 @@ pub fn header_value_string(value: &Bson) -> Option<String> {
         Bson::Int32(v) => Some(v.to_string()),
         Bson::Int64(v) => Some(v.to_string()),
         Bson::Double(v) => Some(format_dotnet_double(*v)),
+        Bson::Decimal128(d) => format_dotnet_decimal(*d),
         Bson::Binary(b) if b.subtype == BinarySubtype::Generic => Some(format!(
             "base64:{}",
             base64::engine::general_purpose::STANDARD.encode(&b.bytes)

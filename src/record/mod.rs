@@ -243,10 +243,12 @@ impl TimeoutRecord {
             .and_then(bson_uuid)
             .ok_or(DecodeError::ProcessManagerId)?;
         let due = due::decode(doc.get(field::TIME), decoding.time)?;
+        // Headers not forwarded are not read: a record whose `Headers` is not a document is
+        // sent without them rather than parked (found in review, helper-34).
         let headers = match doc.get(field::HEADERS) {
+            _ if !decoding.forward_headers => Document::new(),
             None | Some(Bson::Null) => Document::new(),
-            Some(Bson::Document(d)) if decoding.forward_headers => normalize_headers(d),
-            Some(Bson::Document(_)) => Document::new(),
+            Some(Bson::Document(d)) => normalize_headers(d),
             Some(_) => return Err(DecodeError::Headers),
         };
         Ok(Self {
@@ -416,6 +418,15 @@ mod tests {
                 Err(expected)
             );
         }
+        // Headers that are not forwarded are not read, whatever they hold.
+        let mut d = v7_doc();
+        d.insert("Headers", Bson::Array(vec![]));
+        let unread = Decoding {
+            time: TimeEncoding::DotnetTicks,
+            forward_headers: false,
+        };
+        let sent = TimeoutRecord::decode(&d, unread).expect("sent without its headers");
+        assert!(sent.headers.is_empty());
         for bad_time in [
             Bson::DateTime(crate::host::wall_date()),
             Bson::Array(vec![Bson::Int64(1)]),

@@ -186,6 +186,37 @@ fn a_double_header_is_printed_as_dotnet_prints_it() {
     }
 }
 
+/// Found in review (helper-34): a `Decimal128` header (a C# `decimal` stored with the
+/// Decimal128 representation) was dropped. It is printed as .NET prints the `decimal`.
+#[test]
+fn a_decimal_header_is_printed_as_dotnet_prints_it() {
+    let dec = |s: &str| Bson::Decimal128(s.parse().expect("a Decimal128"));
+    for (stored, dotnet) in [
+        ("0", Some("0")),
+        ("-0", Some("0")),
+        ("1.50", Some("1.50")),
+        ("-12.345", Some("-12.345")),
+        ("0.001", Some("0.001")),
+        ("1.5E+3", Some("1500")),
+        ("1E-28", Some("0.0000000000000000000000000001")),
+        (
+            "79228162514264337593543950335",
+            Some("79228162514264337593543950335"),
+        ),
+        ("79228162514264337593543950336", None),
+        ("1E-29", None),
+        ("NaN", None),
+        ("Infinity", None),
+        ("-Infinity", None),
+    ] {
+        assert_eq!(
+            header_value_string(&dec(stored)).as_deref(),
+            dotnet,
+            "{stored}"
+        );
+    }
+}
+
 /// Found in review (helper-27): a stored `CC` or `BCC` header was forwarded as a string.
 /// RabbitMQ reads both as routing keys and refuses a string there, closing the channel:
 /// every publish pipelined behind it failed, and the record came back to every claim.
