@@ -844,6 +844,13 @@ impl Machine {
     /// A wave's outcomes are known: each record is settled now, the wave is summarised in
     /// one line, and the confirmed records go to history (which nothing here waits for).
     fn on_wave_sent(&mut self, outcomes: Vec<SendOutcome>, open: Option<u32>, now: &Now) {
+        // A link that carried a confirm works: the back-off starts again, before a link lost
+        // with this wave takes its next delay (found in review: it took the delay grown by
+        // the outage before, up to 10 s).
+        let any_confirmed = outcomes.iter().any(|o| matches!(o, SendOutcome::Confirmed));
+        if any_confirmed {
+            self.reconnect.reset();
+        }
         let next = match open {
             Some(frame_max) => Link::Idle { frame_max },
             None => Link::Down {
@@ -857,7 +864,11 @@ impl Machine {
         // driver passed its first answer on: an answer among its outcomes counts.
         let answered = wave.answered || outcomes.iter().any(SendOutcome::is_answer);
         let took = now.at.saturating_duration_since(wave.started);
-        m::publish_confirm(took);
+        // A wave the broker answered nothing of (not sent, its connect failed, given up on)
+        // is not a confirm time.
+        if answered {
+            m::publish_confirm(took);
+        }
         self.health.set_up(m::RABBITMQ, open.is_some());
         let confirmed_at = now.server;
         let mut summary = WaveSummary::default();
@@ -916,7 +927,6 @@ impl Machine {
             }
         }
         summary.log(took);
-        let any_confirmed = !confirmed.is_empty();
         // A confirmed record this instance holds again (a claim took it while the wave
         // outlived its lease) was delivered: it is removed under the lease that holds it now,
         // not sent again. Only a lease the server's clock may have passed lets a claim take it.
@@ -944,9 +954,6 @@ impl Machine {
             self.unanswered(&unknown, now.at);
         } else if any_confirmed {
             self.claims.unconfirmed.reset();
-        }
-        if any_confirmed {
-            self.reconnect.reset();
         }
         // Last: a hold-off this wave set keeps a gated claim from taking.
         self.end_gate(answered, now.at);

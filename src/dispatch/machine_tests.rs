@@ -366,6 +366,61 @@ fn a_link_lost_after_each_connect_is_reconnected_to_later_and_later() {
     );
 }
 
+/// Found in review (helper-35): a wave confirmed in part whose link was lost with it took
+/// the reconnect delay the outage before it had grown (about 10 s), not the first one: the
+/// back-off was reset only after the delay was taken.
+#[test]
+fn a_link_lost_with_a_confirmed_wave_is_reconnected_to_soon() {
+    let mut r = Rig::up(Config::default());
+    for _ in 0..8 {
+        r.handle(Input::LinkLost);
+        while !r.commands().iter().any(|c| matches!(c, Command::Connect)) {
+            r.advance(Duration::from_millis(50));
+        }
+        r.handle(Input::Connected(Ok(message::DEFAULT_FRAME_MAX)));
+    }
+    r.hold(1, Duration::from_secs(300));
+    r.publish();
+    r.handle(Input::WaveSent {
+        outcomes: vec![SendOutcome::Confirmed],
+        open: None,
+    });
+    let Link::Down { retry_at } = r.m.link else {
+        panic!("the link is not down: {:?}", r.m.link);
+    };
+    let wait = retry_at.saturating_duration_since(r.at);
+    assert!(wait <= Duration::from_millis(200), "waits {wait:?}");
+}
+
+/// Found in review (helper-35): a wave the broker answered nothing of (its connect failed,
+/// not sent) was recorded in `timeoutd_publish_confirm_seconds`, whose HELP promises the
+/// time to the broker's last confirm.
+#[test]
+fn a_wave_answered_by_nothing_is_no_confirm_time() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let _recorder = metrics::set_default_local_recorder(&recorder);
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(300));
+    r.publish();
+    r.advance(Duration::from_secs(20));
+    r.sent(SendOutcome::NotSent("not connected".into()), OPEN);
+    let count = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("timeoutd_publish_confirm_seconds_count"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!(count(&recorder.handle().render()), 0.0);
+    r.hold(2, Duration::from_secs(300));
+    r.publish();
+    r.sent(SendOutcome::Confirmed, OPEN);
+    assert_eq!(
+        count(&recorder.handle().render()),
+        1.0,
+        "a confirmed wave is"
+    );
+}
+
 /// Issue 25, 8.5: the claims after an unconfirmed wave were spaced by the link's back-off,
 /// which the reconnect that follows such a wave reset: the hold-off never grew. It grows
 /// while waves go unconfirmed, reconnects or not, and starts again after a confirmed wave.
