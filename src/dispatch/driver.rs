@@ -463,7 +463,7 @@ impl Dispatcher {
     }
 
     /// Publishes a wave pipelined, in a task that owns the link until the wave ends.
-    fn publish(&mut self, messages: Vec<OutgoingMessage>, built_for: u32, begin_by: Instant) {
+    fn publish(&mut self, messages: Vec<OutgoingMessage>, built_for: u32, begin_by: Vec<Instant>) {
         let mut publisher = self.take_publisher();
         let (answered, stop_waiting) = (CancellationToken::new(), CancellationToken::new());
         self.wave = Some(WaveTokens {
@@ -496,7 +496,7 @@ impl Dispatcher {
                 )),
                 Ok(()) => {
                     publisher
-                        .publish_batch(&messages, &stop_waiting, &answered, begin_by)
+                        .publish_batch(&messages, &stop_waiting, &answered, &begin_by)
                         .await
                 }
                 Err(why) => not_sent(why),
@@ -575,7 +575,7 @@ mod tests {
         config.rabbitmq.uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
         config.rabbitmq.connect_timeout = Duration::from_secs(600);
         let mut d = dispatcher(config, None).await;
-        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX, far());
+        d.publish(vec![a_message(&d)], DEFAULT_FRAME_MAX, vec![far()]);
         tokio::time::sleep(Duration::from_secs(1)).await;
         (d, server)
     }

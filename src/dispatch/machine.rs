@@ -117,13 +117,13 @@ pub enum Command {
     },
     /// Open the link.
     Connect,
-    /// Publish a wave built against `frame_max`, beginning no publish at or after
-    /// `begin_by` (its soonest lease within the safety margin); it reports
+    /// Publish a wave built against `frame_max`, beginning no message's publish at or after
+    /// its `begin_by` (one per message: its lease within the safety margin); it reports
     /// [`Input::Answered`] at the first answer and [`Input::WaveSent`] at its end.
     Publish {
         messages: Vec<OutgoingMessage>,
         frame_max: u32,
-        begin_by: Instant,
+        begin_by: Vec<Instant>,
     },
     /// The wave's deadline passed: stop waiting for its publishes and confirms.
     StopWaiting,
@@ -817,13 +817,12 @@ impl Machine {
             .iter()
             .map(|m| m.properties.message_id().as_ref().map(|id| id.to_string()))
             .collect();
-        // Every record passed the margin check: the soonest lease leaves `left` before it.
-        let left = records
+        // Every record passed the margin check: each lease leaves some time before it.
+        let begin_by = records
             .iter()
             .map(|r| r.lease.remaining(now.latest).saturating_sub(margin))
-            .min()
-            .unwrap_or_default();
-        let begin_by = crate::deadline::later(now.at, left);
+            .map(|left| crate::deadline::later(now.at, left))
+            .collect();
         let deadline = crate::deadline::later(now.at, self.config.rabbitmq.publish_timeout);
         let limit = self.stopping.map(|began| self.shutdown_limit(began));
         self.link = Link::Publishing(Wave {

@@ -1071,21 +1071,28 @@ fn a_wave_lost_with_its_task_waits_for_the_hold_off_like_one_given_up() {
     assert!(released, "{:?}", r.m.settle.work().collect::<Vec<_>>());
 }
 
-/// A wave begins no publish once its soonest lease is within the safety margin (a broker
-/// that stopped reading can hold the writes back that long): the instant goes with the wave.
+/// A message's publish does not begin once its lease is within the safety margin (a broker
+/// that stopped reading can hold the writes back that long): each message's instant goes
+/// with the wave. It was the wave's soonest for all (found in review, helper-35): a record
+/// near its margin cut a wave of fresh ones, and the cut gave up a working link.
 #[test]
-fn a_wave_begins_no_publish_past_its_soonest_leases_margin() {
+fn a_wave_begins_no_publish_past_its_own_leases_margin() {
     let config = Config::default();
     let margin = config.dispatch.lease_safety_margin;
     let mut r = Rig::up(config);
     r.hold(1, Duration::from_secs(60));
     r.hold(2, Duration::from_secs(30));
     let commands = r.commands();
-    let begin_by = commands.iter().find_map(|c| match c {
-        Command::Publish { begin_by, .. } => Some(*begin_by),
-        _ => None,
-    });
-    assert_eq!(begin_by, Some(r.at + Duration::from_secs(30) - margin));
+    let mut begin_by = commands
+        .iter()
+        .find_map(|c| match c {
+            Command::Publish { begin_by, .. } => Some(begin_by.clone()),
+            _ => None,
+        })
+        .expect("a wave");
+    begin_by.sort();
+    let at = |secs| r.at + Duration::from_secs(secs) - margin;
+    assert_eq!(begin_by, [at(30), at(60)]);
 }
 
 /// A wave that failed is released at once, while the later records of its claim wait for

@@ -396,15 +396,16 @@ impl Publisher {
 
     /// Publishes every message pipelined, then awaits the confirms until each arrives or
     /// `stop_waiting` is cancelled. Returns one outcome per message, in order. `answered` is
-    /// cancelled at the first answer from the broker (proof that it reads and confirms). No
-    /// publish begins at or after `begin_by`, when the soonest lease of the wave comes within
-    /// its safety margin (a broker that stopped reading holds the writes back).
+    /// cancelled at the first answer from the broker (proof that it reads and confirms).
+    /// `begin_by` holds one instant per message: its publish does not begin at or after it,
+    /// when the message's lease comes within its safety margin (a broker that stopped reading
+    /// holds the writes back); that message is not sent, the rest of the wave goes on.
     pub async fn publish_batch(
         &mut self,
         messages: &[OutgoingMessage],
         stop_waiting: &CancellationToken,
         answered: &CancellationToken,
-        begin_by: tokio::time::Instant,
+        begin_by: &[tokio::time::Instant],
     ) -> Vec<SendOutcome> {
         let Some(link) = self.link.clone().filter(|_| self.usable()) else {
             return vec![SendOutcome::NotSent("not connected".into()); messages.len()];
@@ -418,20 +419,25 @@ impl Publisher {
         let mut broken: Option<String> = None;
         // A publish that failed may have registered its confirm and dropped it.
         let mut publish_failed = false;
-        for m in messages {
+        for (i, m) in messages.iter().enumerate() {
             // A publish is never begun after the deadline (its first poll writes its frames),
-            // nor once a lease of the wave is within its margin: it could reach the broker
-            // after the lease ran out and a peer took the record.
+            // nor once its lease is within its margin: it could reach the broker after the
+            // lease ran out and a peer took the record. That lease is the message's own, not
+            // the wave's soonest (found in review: one record near its margin cut the whole
+            // wave, and the cut was taken for a link that withheld confirms: given up on).
             if broken.is_none() && stop_waiting.is_cancelled() {
                 broken = Some("the wave's deadline passed before it was published".into());
-            } else if broken.is_none() && tokio::time::Instant::now() >= begin_by {
-                broken = Some(
-                    "the wave's leases came within their safety margin before it was published"
-                        .into(),
-                );
             }
             if let Some(why) = &broken {
                 pending.push(Err(Waited::Failed(SendOutcome::NotSent(why.clone()))));
+                continue;
+            }
+            if begin_by
+                .get(i)
+                .is_none_or(|by| tokio::time::Instant::now() >= *by)
+            {
+                let why = "its lease came within its safety margin before it was published";
+                pending.push(Err(Waited::Failed(SendOutcome::NotSent(why.into()))));
                 continue;
             }
             let publish = link.publish(&m.routing_key, m.body.clone(), m.properties.clone(), true);
@@ -720,7 +726,8 @@ pub(crate) mod tests {
         let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
         p.connect().await.expect("the fake link opens");
         let messages: Vec<OutgoingMessage> = answers.iter().map(|(id, _)| message(id)).collect();
-        p.publish_batch(&messages, &stop, &CancellationToken::new(), open_ended())
+        let by = open_ended(messages.len());
+        p.publish_batch(&messages, &stop, &CancellationToken::new(), &by)
             .await
     }
 
@@ -793,7 +800,7 @@ pub(crate) mod tests {
                     &[message("B"), message("X")],
                     &stop,
                     &answered,
-                    open_ended(),
+                    &open_ended(2),
                 )
                 .await;
             let unknown = SendOutcome::Connection(closed);
@@ -801,9 +808,9 @@ pub(crate) mod tests {
         });
     }
 
-    /// A wave's publishes may begin any time until their deadline.
-    fn open_ended() -> tokio::time::Instant {
-        tokio::time::Instant::now() + Duration::from_secs(86_400)
+    /// The begin-by instants of `n` publishes that may begin any time until their deadline.
+    fn open_ended(n: usize) -> Vec<tokio::time::Instant> {
+        vec![tokio::time::Instant::now() + Duration::from_secs(86_400); n]
     }
 
     /// The outcome of one message published on a link that would ack it, once the wave's
@@ -818,7 +825,7 @@ pub(crate) mod tests {
             if stopped {
                 stop.cancel();
             }
-            p.publish_batch(&[message("A")], &stop, &answered, begin_by)
+            p.publish_batch(&[message("A")], &stop, &answered, &[begin_by])
                 .await
         })
     }
@@ -832,14 +839,58 @@ pub(crate) mod tests {
     #[test]
     fn no_publish_begins_after_the_waves_deadline_or_its_leases_margin() {
         let at_once = tokio::time::Instant::now();
-        for (stopped, begin_by) in [(true, open_ended()), (false, at_once)] {
+        for (stopped, begin_by) in [(true, open_ended(1)[0]), (false, at_once)] {
             let outcomes = one_publish(stopped, begin_by);
             assert!(
                 matches!(outcomes.as_slice(), [SendOutcome::NotSent(_)]),
                 "stopped {stopped}: {outcomes:?}"
             );
         }
-        assert_eq!(one_publish(false, open_ended()), [SendOutcome::Confirmed]);
+        assert_eq!(
+            one_publish(false, open_ended(1)[0]),
+            [SendOutcome::Confirmed]
+        );
+    }
+
+    /// A message whose lease came within its margin is not sent; the rest of its wave is,
+    /// and the link is kept. Before (found in review, helper-35), the wave's soonest lease cut
+    /// every publish after it, and the cut gave up a working link, as one that withheld
+    /// confirms: a failover, the link down for a back-off, the wave's fresh records released.
+    #[test]
+    fn a_message_past_its_margin_is_not_sent_and_the_rest_of_its_wave_is() {
+        seeded().block_on(async {
+            let broker = Arc::new(FakeBroker::default());
+            let ack = || Script::Ready(Answer::Ack(None));
+            broker.link(vec![ack(), ack()], None);
+            let mut p = Publisher::with_broker(&RabbitConfig::default(), broker);
+            p.connect().await.expect("the fake link opens");
+            let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
+            let by = [
+                tokio::time::Instant::now(),
+                open_ended(1)[0],
+                open_ended(1)[0],
+            ];
+            let outcomes = p
+                .publish_batch(
+                    &[message("A"), message("B"), message("C")],
+                    &stop,
+                    &answered,
+                    &by,
+                )
+                .await;
+            assert!(
+                matches!(
+                    outcomes.as_slice(),
+                    [
+                        SendOutcome::NotSent(_),
+                        SendOutcome::Confirmed,
+                        SendOutcome::Confirmed
+                    ]
+                ),
+                "{outcomes:?}"
+            );
+            assert!(p.is_connected(), "the link is kept");
+        });
     }
 
     /// A publisher whose link abandoned a confirm while the broker blocked it, and a second
@@ -857,7 +908,7 @@ pub(crate) mod tests {
                 &[message("A")],
                 &stop,
                 &CancellationToken::new(),
-                open_ended(),
+                &open_ended(1),
             )
             .await;
         assert_eq!(outcomes, [SendOutcome::TimedOut]);
@@ -866,7 +917,7 @@ pub(crate) mod tests {
 
     async fn publish_b(p: &mut Publisher) -> Vec<SendOutcome> {
         let (stop, answered) = (CancellationToken::new(), CancellationToken::new());
-        p.publish_batch(&[message("B")], &stop, &answered, open_ended())
+        p.publish_batch(&[message("B")], &stop, &answered, &open_ended(1))
             .await
     }
 
