@@ -25,8 +25,11 @@ pub const MONITOR_INTERVAL: Duration = Duration::from_secs(15);
 /// one is suspected of being left unclaimed). The reading depends on nothing the claim path
 /// keeps ([`crate::store::backlog`]). Each of its queries is bounded by `operation_timeout`, not the
 /// whole reading by one deadline: an outer deadline would drop the reading halfway on a slow
-/// database and leave the gauges stale. The clock was read just before this starts, so the
-/// first pass only reads the backlog.
+/// database and leave the gauges stale. The two readings run side by side, each paced on its
+/// own: the clock is never read later because the backlog's queries are slow or failing
+/// (found in review: it waited behind them and their back-off, read every 50 s instead of 15,
+/// and a step back of the server's clock went unseen that much longer). The clock was read
+/// just before this starts, so its first reading is one interval later.
 pub async fn run(
     store: Store,
     shapes: Shapes,
@@ -34,14 +37,21 @@ pub async fn run(
     rate_limited: Vec<String>,
     shutdown: CancellationToken,
 ) {
+    tokio::select! {
+        () = backlog(&store, &shapes, &health, &rate_limited) => {}
+        () = clock(&store, &health) => {}
+        () = shutdown.cancelled() => {}
+    }
+}
+
+/// Reads the backlog gauges, again and again, never sooner than its pacing allows.
+async fn backlog(store: &Store, shapes: &Shapes, health: &Health, rate_limited: &[String]) {
     let parking = store.parking();
-    let mut clock_read = Instant::now();
-    // Each reading is paced on its own: after a failure it is skipped until its back-off has
-    // passed, after a timeout until the abandoned run has ended on the server.
-    let paced = || Pacing::new(store.operation_timeout());
-    let (mut backlog, mut clock) = (paced(), paced());
+    // After a failure the reading is skipped until its back-off has passed, after a timeout
+    // until the abandoned run has ended on the server.
+    let mut pacing = Pacing::new(store.operation_timeout());
     loop {
-        if backlog.ready() {
+        if pacing.ready() {
             let at = Instant::now();
             let reading = Store::timed("backlog", async {
                 let shapes = shapes.checked(MONITOR_INTERVAL)?;
@@ -49,16 +59,13 @@ pub async fn run(
                     store.read_backlog(
                         &shapes,
                         crate::store::census::BACKLOG_COUNTED_UP_TO,
-                        &rate_limited
+                        rate_limited
                     ),
                     store.bounded("count parked records", parking.count())
                 )
-            });
-            let reading = tokio::select! {
-                r = reading => r,
-                _ = shutdown.cancelled() => return,
-            };
-            backlog.record(&reading);
+            })
+            .await;
+            pacing.record(&reading);
             match reading {
                 Ok((r, parked)) => {
                     m::backlog(r.due, r.oldest_due_age_seconds);
@@ -79,23 +86,26 @@ pub async fn run(
             .progress()
             .next_reading_in()
             .map_or(MONITOR_INTERVAL, |d| d.min(MONITOR_INTERVAL))
-            .max(backlog.next_at().saturating_duration_since(Instant::now()))
+            .max(pacing.next_at().saturating_duration_since(Instant::now()))
             .max(MONITOR_MIN_WAIT);
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = shutdown.cancelled() => return,
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Reads the server clock every [`MONITOR_INTERVAL`], or later while its pacing says so.
+async fn clock(store: &Store, health: &Health) {
+    let mut pacing = Pacing::new(store.operation_timeout());
+    loop {
+        let next = pacing.next_at().max(Instant::now() + MONITOR_INTERVAL);
+        tokio::time::sleep_until(next).await;
+        if !pacing.ready() {
+            continue;
         }
-        if clock_read.elapsed() >= MONITOR_INTERVAL && clock.ready() {
-            clock_read = Instant::now();
-            let result = tokio::select! {
-                r = read_server_clock(&store, &health) => r,
-                _ = shutdown.cancelled() => return,
-            };
-            if let Err(e) = &result {
-                tracing::warn!(error = %e, "could not refresh the server clock offset");
-            }
-            clock.record(&result);
+        let result = read_server_clock(store, health).await;
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "could not refresh the server clock offset");
         }
+        pacing.record(&result);
     }
 }
 
@@ -142,6 +152,42 @@ mod tests {
         assert!(read.is_ok(), "{read:?}");
         let now = store.clock().now().timestamp_millis();
         assert!((server_ms..server_ms + 1_000).contains(&now), "{now}");
+    }
+
+    /// A server whose backlog queries never answer still has its clock read every
+    /// [`MONITOR_INTERVAL`]. The clock was read after the backlog's reading and its back-off:
+    /// every 50 s here, not every 15 s.
+    #[tokio::test(start_paused = true)]
+    async fn the_clock_is_read_on_time_while_the_backlog_queries_hang() {
+        use crate::store::backend::{Answer, Answering, Op, Reply};
+        use std::sync::atomic::AtomicUsize;
+        let hellos = Arc::new(AtomicUsize::new(0));
+        let counted = hellos.clone();
+        let hello = move |_: bson::Document| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let reply =
+                bson::doc! { "ok": 1, "localTime": bson::DateTime::from_millis(1_800_000_000_000) };
+            Answer::Now(Ok(reply))
+        };
+        let ops = |_: Op| Answer::<Reply>::Never;
+        let store = Store::with_backend(
+            Arc::new(Answering(ops, hello)),
+            &crate::config::MongoConfig::default(),
+            crate::store::clock::ServerClock::default(),
+        );
+        let shapes = Shapes::Fixed(vec![crate::record::due::Shape::Date]);
+        let health = Arc::new(Health::new(Duration::from_secs(1)));
+        let stop = CancellationToken::new();
+        let task = crate::host::spawn(run(store, shapes, health, Vec::new(), stop.clone()));
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        let before = hellos.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(300)).await;
+        let read = hellos.load(Ordering::SeqCst) - before;
+        stop.cancel();
+        task.await.expect("the monitor ends at shutdown");
+        // A reading is three `hello`s; one every 15 s is 20 readings in 300 s (it was 6).
+        let readings = read / 3;
+        assert!(readings >= 19, "{readings} clock readings in 300 s");
     }
 
     /// A shutdown while the server clock is read from a server that does not answer ends the
