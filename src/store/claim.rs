@@ -288,9 +288,15 @@ impl ClaimPath {
             .iter()
             .map(|(due, _)| due.unwrap_or(range.to))
             .collect();
-        let first = dues.first().copied();
-        self.head
-            .update((excluded, began), from, now, first, range.to);
+        // A first record whose `Time` does not decode (all of them, then: they sort last)
+        // says nothing of where the due records begin: the bound stays as it was. Taken for
+        // due at the horizon (found in review, helper-36), a batch of them moved the bound to
+        // about now, and valid due records behind the batch waited for a full read.
+        if found.first().is_none_or(|(due, _)| due.is_some()) {
+            let first = dues.first().copied();
+            self.head
+                .update((excluded, began), from, now, first, range.to);
+        }
         let more = self
             .window
             .update(&range, &dues, found.len() >= batch_size as usize);
@@ -644,6 +650,57 @@ mod tests {
             .await
             .expect("take");
         asked.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// While a destination is left out, a full batch of records whose `Time` does not
+    /// decode sets no bound for the next read: it said nothing of where the due records
+    /// begin. It set one at about now, and the valid due records behind that batch waited
+    /// for the next full read.
+    #[tokio::test]
+    async fn a_batch_of_undecodable_times_sets_no_bound_to_the_next_read() {
+        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let ops = asked.clone();
+        let backend = Answering::new(move |op: Op| {
+            let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
+            let reply = match &op {
+                Op::Find { .. } if ops.is_empty() => Reply::Docs(
+                    (0..10)
+                        .map(|_| {
+                            let mut bad = record(-60_000);
+                            bad.insert(field::TIME, "not a date");
+                            bad
+                        })
+                        .collect(),
+                ),
+                _ => Reply::Docs(Vec::new()),
+            };
+            ops.push(op);
+            Ok(reply)
+        });
+        let store = Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
+        let excluded = ["paused".to_string()];
+        for _ in 0..2 {
+            path.candidates(10, Duration::ZERO, &excluded)
+                .await
+                .expect("the read answers");
+        }
+        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(Op::Find { filter, .. }) = ops.get(1) else {
+            panic!("no second read: {ops:?}");
+        };
+        let due = filter.get_array("$and").expect("an $and")[0]
+            .as_document()
+            .expect("the due clause");
+        let from = due
+            .get_document(field::TIME)
+            .expect("one shape")
+            .get("$gte");
+        assert_eq!(from, None, "the second read starts at {from:?}");
     }
 
     /// After a reading whose round trip took 10 s, a lease running out 2 s after the earliest
