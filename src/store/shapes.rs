@@ -404,10 +404,15 @@ async fn read_shapes(store: &Store) -> Result<(Vec<Shape>, Vec<Bson>), StoreErro
         seen = store
             .query(async {
                 slow_reply().await;
-                store
-                    .coll
-                    .distinct(field::TIME_OFFSET, Document::new())
-                    .await
+                // Only the offsets a shape can have: an unbounded `distinct` lists every
+                // value of `"Time.1"` in the collection, and a foreign writer's second
+                // element (nanoseconds, a sequence number) made it too large to answer (the
+                // server caps it at 16 MB), so the set was never learned again and, after a
+                // restart, no claim ran (found in review, helper-36). The probe asks for
+                // offsets within the same bounds.
+                let bounds = due::MAX_OFFSET_MINUTES;
+                let servable = doc! { field::TIME_OFFSET: { "$gte": -bounds, "$lte": bounds } };
+                store.coll.distinct(field::TIME_OFFSET, servable).await
             })
             .await?;
         shapes.extend(due::servable_offsets(&seen).into_iter().map(Shape::Ticks));
@@ -424,6 +429,31 @@ mod tests {
     use crate::config::MongoConfig;
     use crate::store::backend::{Answering, MongoError, Op, Reply};
     use crate::store::clock::ServerClock;
+
+    /// A collection whose `"Time.1"` values, listed whole, are more than a `distinct` can
+    /// answer (a foreign writer's second element): the shapes are learned from the offsets a
+    /// shape can have. The whole list was asked for, and every learn failed.
+    #[tokio::test]
+    async fn offsets_are_learned_where_the_whole_list_would_be_too_large() {
+        let backend = Answering::new(|op: Op| match op {
+            Op::Distinct { filter, .. } if filter.is_empty() => {
+                Err(crate::store::backend::command_error(
+                    17217,
+                    "Location17217",
+                    "distinct too big, 16mb cap",
+                ))
+            }
+            Op::Distinct { .. } => Ok(Reply::Values(vec![Bson::Int32(60)])),
+            _ => Ok(Reply::Docs(Vec::new())),
+        });
+        let config = MongoConfig {
+            time_encoding: TimeEncoding::DotnetTicks,
+            ..MongoConfig::default()
+        };
+        let store = Store::with_backend(Arc::new(backend), &config, ServerClock::default());
+        let shapes = store.shapes().await.expect("learned");
+        assert_eq!(shapes, [Shape::Ticks(60)]);
+    }
 
     /// A timeouts collection of `[ticks, offset]` records at `offsets` (none: empty), or a
     /// server that fails every call while `down`.
