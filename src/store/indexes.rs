@@ -247,7 +247,7 @@ fn same_key_pattern(a: &Document, b: &Document) -> bool {
 }
 
 /// The indexes of timeoutd's own collections, each set asked for until it exists.
-async fn own_indexes(store: Store, history_keep: Option<Duration>, shutdown: CancellationToken) {
+async fn own_indexes(store: Store, history_keep: Option<Duration>) {
     // Whether one set was created; a failure is warned of and asked for again.
     async fn created(
         store: &Store,
@@ -280,10 +280,7 @@ async fn own_indexes(store: Store, history_keep: Option<Duration>, shutdown: Can
         if parking && control && history {
             return;
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(ASK_AGAIN) => {}
-        }
+        tokio::time::sleep(ASK_AGAIN).await;
     }
 }
 
@@ -338,8 +335,15 @@ async fn estimated_count(coll: &Coll) -> Result<u64, MongoError> {
 /// own collections' indexes were asked for once a process: one failure left the history
 /// without its TTL until a restart.
 pub async fn run(store: Store, history_keep: Option<Duration>, shutdown: CancellationToken) {
-    let own = own_indexes(store.clone(), history_keep, shutdown.clone());
-    tokio::join!(own, timeouts_indexes(store, shutdown));
+    // Its calls yield to shutdown too, not only the waits between them (found in review:
+    // three calls to a server that did not answer held the drain for 30 s).
+    let own = async {
+        tokio::select! {
+            () = own_indexes(store.clone(), history_keep) => {}
+            () = shutdown.cancelled() => {}
+        }
+    };
+    tokio::join!(own, timeouts_indexes(store.clone(), shutdown.clone()));
 }
 
 /// The indexes of the timeouts collection, until every one exists; then waits for shutdown.
@@ -427,6 +431,35 @@ mod tests {
     use crate::config::MongoConfig;
     use crate::store::backend::{Answering, Op, Reply, command_error};
     use crate::store::clock::ServerClock;
+
+    /// A shutdown while the own collections' indexes are asked of a server that does not
+    /// answer ends the task at once, and nothing more is asked. Before, its three calls ran
+    /// to their deadlines one after another (30 s), holding the drain, asking after the
+    /// shutdown.
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_while_the_indexes_are_asked_for_ends_the_task_at_once() {
+        use std::sync::atomic::Ordering;
+        let (calls, store) = Store::silent();
+        let stop = CancellationToken::new();
+        let day = Some(Duration::from_secs(86_400));
+        let task = crate::host::spawn(run(store.clone(), day, stop.clone()));
+        while calls.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (stopped, asked) = (Instant::now(), calls.load(Ordering::SeqCst));
+        stop.cancel();
+        task.await.expect("the task ends at shutdown");
+        assert!(
+            stopped.elapsed() < store.operation_timeout() / 2,
+            "the task ended {:?} after the shutdown",
+            stopped.elapsed()
+        );
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            asked,
+            "asked after the shutdown"
+        );
+    }
 
     /// Log lines, for the one test here that is about what the log says.
     #[derive(Clone, Default)]
