@@ -296,6 +296,32 @@ fn what_fails_at_run_time_is_refused_naming_its_key() {
     for (toml, key) in cases {
         assert_eq!(keys_of(toml), vec![key.to_string()], "{toml}");
     }
+    // TLS files that exist but cannot serve: a directory, a file that is no PEM certificate,
+    // a certificate where the key belongs.
+    let dir = std::env::temp_dir().join(format!("timeoutd-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let (not_pem, cert) = (dir.join("not.pem"), dir.join("cert.pem"));
+    std::fs::write(&not_pem, "not a certificate").expect("written");
+    let pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+    std::fs::write(&cert, pem).expect("written");
+    let tls = |section: &str, key: &str, path: &std::path::Path| {
+        format!("[{section}]\n{key} = {:?}", path.display().to_string())
+    };
+    for (toml, key) in [
+        (tls("mongodb", "tls_ca_file", &dir), "mongodb.tls_ca_file"),
+        (
+            tls("rabbitmq", "tls_ca_file", &not_pem),
+            "rabbitmq.tls_ca_file",
+        ),
+        (
+            tls("mongodb", "tls_certificate_key_file", &cert),
+            "mongodb.tls_certificate_key_file",
+        ),
+    ] {
+        assert_eq!(keys_of(&toml), vec![key.to_string()], "{toml}");
+    }
+    assert!(Config::from_toml(&tls("rabbitmq", "tls_ca_file", &cert)).is_ok());
+    std::fs::remove_dir_all(&dir).ok();
     // At the edge: one record a lease is enough, and the default names pass.
     let lease = "[dispatch]\nlock_lease = \"102s\"\nlease_safety_margin = \"2s\"\nmax_rate = 0.01";
     assert!(Config::from_toml(lease).is_ok());

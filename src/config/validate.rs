@@ -315,20 +315,44 @@ impl Config {
             );
         }
         let rq = &self.rabbitmq;
-        for (key, file) in [
-            ("mongodb.tls_ca_file", &m.tls_ca_file),
+        // Read, and holding the PEM blocks each needs: a directory, a file the service user
+        // cannot read, or one of another kind passed a check of existence alone, and failed
+        // at run time (exit 1 naming no key, or a daemon unready for ever whose every TLS
+        // connect failed; found in review, helper-38).
+        const CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----";
+        const PRIVATE_KEY: &str = "PRIVATE KEY-----";
+        for (key, file, needs) in [
+            ("mongodb.tls_ca_file", &m.tls_ca_file, &[CERTIFICATE][..]),
             (
                 "mongodb.tls_certificate_key_file",
                 &m.tls_certificate_key_file,
+                &[CERTIFICATE, PRIVATE_KEY][..],
             ),
-            ("rabbitmq.tls_ca_file", &rq.tls_ca_file),
-            ("rabbitmq.tls_cert_file", &rq.tls_cert_file),
-            ("rabbitmq.tls_key_file", &rq.tls_key_file),
+            ("rabbitmq.tls_ca_file", &rq.tls_ca_file, &[CERTIFICATE][..]),
+            (
+                "rabbitmq.tls_cert_file",
+                &rq.tls_cert_file,
+                &[CERTIFICATE][..],
+            ),
+            (
+                "rabbitmq.tls_key_file",
+                &rq.tls_key_file,
+                &[PRIVATE_KEY][..],
+            ),
         ] {
-            if let Some(path) = file
-                && let Err(e) = std::fs::metadata(path)
-            {
-                bad(key, &format!("cannot read {}: {e}", path.display()));
+            let Some(path) = file else { continue };
+            match std::fs::read(path) {
+                Err(e) => bad(key, &format!("cannot read {}: {e}", path.display())),
+                Ok(bytes) => {
+                    let text = String::from_utf8_lossy(&bytes);
+                    if let Some(missing) = needs.iter().find(|n| !text.contains(**n)) {
+                        let what = match *missing {
+                            CERTIFICATE => "a PEM certificate",
+                            _ => "a PEM private key",
+                        };
+                        bad(key, &format!("{} holds no {what}", path.display()));
+                    }
+                }
             }
         }
         if rq.tls_cert_file.is_some() != rq.tls_key_file.is_some() {
