@@ -513,7 +513,8 @@ impl Machine {
 
     /// Queues the removal of confirmed records, known delivered until it ends.
     fn remove(&mut self, lease: Lease, records: Vec<Leased>) {
-        self.delivered.removing(records.iter().map(|r| &r.id));
+        self.delivered
+            .removing(records.iter().map(|r| (&r.id, r.record.due)));
         self.settle.push(Settle::Remove { lease, records });
     }
 
@@ -728,8 +729,9 @@ impl Machine {
         // again after its lease ran out, and it was sent a second time): removed under this
         // lease, not sent again, nor released below for a peer to send (helper-25).
         self.delivered.prune(now.at);
-        let (again, rows): (Vec<_>, Vec<_>) =
-            (claim.rows.into_iter()).partition(|row| self.delivered.has(&row.id, now.at));
+        let (again, rows): (Vec<_>, Vec<_>) = (claim.rows.into_iter()).partition(|row| {
+            (row.record.as_ref()).is_ok_and(|r| self.delivered.has(&row.id, r.due, now.at))
+        });
         let again: Vec<Leased> = again
             .into_iter()
             .filter_map(|row| self.triaged(row, lease))
@@ -929,15 +931,21 @@ impl Machine {
         // A confirmed record this instance holds again (a claim took it while the wave
         // outlived its lease) was delivered: it is removed under the lease that holds it now,
         // not sent again. Only a lease the server's clock may have passed lets a claim take it.
-        let lapsed: Vec<Bson> = confirmed
+        let lapsed: Vec<(Bson, DateTime)> = confirmed
             .iter()
             .filter(|c| !c.lease.is_live(now.latest))
-            .map(|c| c.id.clone())
+            .map(|c| (c.id.clone(), c.record.due))
             .collect();
         if !lapsed.is_empty() {
-            let copies = self.held.take_matching(|h| lapsed.contains(&h.id));
+            // A copy due at another instant was moved since: a timeout to fire again.
+            let copies = self.held.take_matching(|h| {
+                lapsed
+                    .iter()
+                    .any(|(id, due)| h.id == *id && h.record.due == *due)
+            });
             let until = now.at + self.config.dispatch.lock_lease;
-            self.delivered.left(&lapsed, until);
+            self.delivered
+                .left(lapsed.iter().map(|(id, due)| (id, *due)), until);
             confirmed.retain(|c| !copies.iter().any(|h| h.id == c.id));
             confirmed.extend(copies);
         }

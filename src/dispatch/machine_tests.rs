@@ -145,9 +145,11 @@ impl Rig {
 
     /// The claim running returns record 1, which this instance sent: it is removed under the
     /// claim's lease, not sent again.
-    fn claimed_again_is_removed(&mut self, case: &str) {
+    /// A claim takes record 1, due at `due` as when it was delivered, again: it is removed
+    /// under the claim's lease, not sent.
+    fn claimed_again_is_removed(&mut self, case: &str, due: DateTime) {
         let again = self.lease(60);
-        let copy = leased(1, self.server(), again);
+        let copy = leased(1, due, again);
         self.handle(Input::Claimed(Ok(claim_of(vec![copy], again))));
         let commands = self.commands();
         let sent = |c: &Command| matches!(c, Command::Publish { .. });
@@ -744,6 +746,7 @@ fn a_confirmed_record_a_running_claim_takes_again_is_removed_not_sent() {
     assert!(r.takes());
     let none = r.lease(60);
     r.handle(Input::Claimed(Ok(claim_of(Vec::new(), none))));
+    let due = r.server();
     r.hold(1, Duration::from_secs(30));
     assert_eq!(r.publish().len(), 1);
     r.handle(Input::Answered);
@@ -755,7 +758,7 @@ fn a_confirmed_record_a_running_claim_takes_again_is_removed_not_sent() {
     // The lease runs out; the confirm comes; then the claim returns the record.
     r.advance(Duration::from_secs(31));
     r.sent(SendOutcome::Confirmed, OPEN);
-    r.claimed_again_is_removed("");
+    r.claimed_again_is_removed("", due);
 }
 
 /// Found in review: a record confirmed while its lease held, whose removal then failed
@@ -775,6 +778,7 @@ fn a_record_whose_removal_outlived_its_lease_is_removed_not_sent_again() {
         "gave up, hold-off",
     ] {
         let mut r = Rig::up(Config::default());
+        let due = r.server();
         r.hold(1, Duration::from_secs(10));
         assert_eq!(r.publish().len(), 1);
         if removal == "queued" {
@@ -812,8 +816,53 @@ fn a_record_whose_removal_outlived_its_lease_is_removed_not_sent_again() {
             // A slot frees up; the removal is still queued when the claim returns.
             r.m.settling.tasks = 0;
         }
-        r.claimed_again_is_removed(removal);
+        r.claimed_again_is_removed(removal, due);
     }
+}
+
+/// Found in review (helper-37): a record delivered whose removal ran out of lease, then moved
+/// to a new instant (`timeoutd reschedule`, which frees it), was removed unsent when a claim
+/// of this instance took it within a lease: known delivered by its id alone. Due at another
+/// instant, it is a timeout to fire again: it is sent.
+#[test]
+fn a_delivered_record_moved_to_a_new_instant_is_sent_again() {
+    let mut r = Rig::up(Config::default());
+    r.hold(1, Duration::from_secs(10));
+    assert_eq!(r.publish().len(), 1);
+    r.sent(SendOutcome::Confirmed, OPEN);
+    let _ = r.commands();
+    r.advance(Duration::from_secs(11));
+    r.handle(Input::Settled {
+        records: 1,
+        refused: None,
+        removing: vec![Bson::Int32(1)],
+        lapsed: vec![Bson::Int32(1)],
+    });
+    // Rescheduled to now plus a minute; a claim takes it then, at its new instant.
+    r.advance(Duration::from_secs(60));
+    r.m.claims.step = Step::Idle;
+    r.m.claims.next_at = r.at;
+    assert!(r.reads());
+    r.candidates(&[1]);
+    assert!(r.takes());
+    let new = r.lease(60);
+    r.handle(Input::Claimed(Ok(claim_of(
+        vec![leased(1, r.server(), new)],
+        new,
+    ))));
+    let commands = r.commands();
+    assert!(
+        commands
+            .iter()
+            .any(|c| matches!(c, Command::Publish { messages, .. } if messages.len() == 1)),
+        "not sent: {commands:?}"
+    );
+    assert!(
+        !commands
+            .iter()
+            .any(|c| matches!(c, Command::Settle(Settle::Remove { .. }))),
+        "removed unsent: {commands:?}"
+    );
 }
 
 /// An unconfirmed wave sets the hold-off while a claim runs; the claim then returns with
@@ -1032,11 +1081,12 @@ fn a_record_too_late_to_send_spends_no_rate_token() {
 #[test]
 fn a_copy_of_a_record_the_broker_confirmed_is_removed_not_sent_again() {
     let mut r = Rig::up(Config::default());
+    let due = r.server();
     r.hold(1, Duration::from_secs(3));
     r.publish();
     r.advance(Duration::from_secs(4));
     let new = r.lease(300);
-    r.m.held.push(leased(1, r.server(), new));
+    r.m.held.push(leased(1, due, new));
     r.sent(SendOutcome::Confirmed, OPEN);
     let commands = r.commands();
     assert!(
