@@ -55,8 +55,8 @@ pub async fn run_with(
     on_listen: impl FnOnce(SocketAddr),
 ) -> Result<(), DaemonError> {
     let config = Arc::new(config);
-    // Parsing the URI can resolve DNS (mongodb+srv): it yields to shutdown like every other
-    // step of start-up.
+    // Reads the URI only (a `mongodb+srv://` name is resolved at the first call, and waited
+    // for as MongoDB is); it yields to shutdown like every other step of start-up.
     let store = tokio::select! {
         biased;
         _ = shutdown.cancelled() => return Ok(()),
@@ -480,6 +480,35 @@ mod tests {
             matches!(&ended, Err(DaemonError::TaskFailed(f)) if f.task == "http"),
             "{ended:?}"
         );
+    }
+
+    /// A `mongodb+srv://` name that does not resolve (a resolver not ready at boot, or
+    /// failing for a while) is a MongoDB not reachable yet: waited for, the endpoints
+    /// serving, until shutdown. The URI was resolved at start-up, and the daemon ended at
+    /// once with exit 1 blaming `mongodb.uri` (found in review, helper-38). Here the
+    /// resolver answers at once that the name does not exist.
+    #[tokio::test]
+    async fn an_srv_name_that_does_not_resolve_is_waited_for() {
+        let mut config = Config::default();
+        config.mongodb.uri = "mongodb+srv://cluster.invalid/".into();
+        config.http.listen = "127.0.0.1:0".parse().expect("an address");
+        let shutdown = CancellationToken::new();
+        let (listening, listened) = tokio::sync::oneshot::channel();
+        let daemon = crate::host::spawn(run_with(
+            config,
+            ServerClock::default(),
+            shutdown.clone(),
+            |addr| {
+                let _ = listening.send(addr);
+            },
+        ));
+        // Start-up goes on to serve its endpoints; it ended before them.
+        let listened = tokio::select! {
+            addr = listened => addr.is_ok(),
+            ended = daemon => panic!("ended: {ended:?}"),
+        };
+        assert!(listened);
+        shutdown.cancel();
     }
 
     /// Issue 25, 8.2: with MongoDB stalled from before start, `/healthz` answered 503 for most

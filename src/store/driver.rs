@@ -16,6 +16,8 @@ use mongodb::options::{
 };
 use mongodb::results::UpdateResult;
 use mongodb::{Client, Database};
+use std::sync::Arc;
+use tokio::sync::OnceCell;
 
 use crate::config::MongoConfig;
 use crate::record::from_stored;
@@ -23,9 +25,18 @@ use crate::store::StoreError;
 use crate::store::backend::{AWAIT, Backend, ChangeStream, MongoError, Op, Reply, Written};
 
 /// MongoDB through the `mongodb` driver: one database of one client.
+///
+/// The client is built at the first call, not at start-up: for a `mongodb+srv://` URI that
+/// resolves DNS (the SRV and TXT records), and a resolver not ready yet (a pod starting, a
+/// host booting) or failing for a while is a database not reachable yet, waited for and
+/// retried as one, under each call's deadline. Built at start-up (found in review, helper-38),
+/// such a failure ended the daemon with exit 1, blaming `mongodb.uri`.
 #[derive(Debug, Clone)]
 pub struct Driver {
-    pub(crate) db: Database,
+    client: Arc<OnceCell<Client>>,
+    /// What builds the client: the URI and the TLS files.
+    config: Arc<MongoConfig>,
+    database: String,
     /// The write concern and read preference the URI set, for
     /// [`crate::store::Store::durability_risks`].
     pub(crate) write_concern: Option<mongodb::options::WriteConcern>,
@@ -33,57 +44,77 @@ pub struct Driver {
 }
 
 impl Driver {
-    /// Parses the URI and builds a client for `[mongodb] database`. Refuses an
-    /// unacknowledged write concern (w=0). The driver connects lazily: the first call is the
-    /// first round trip.
+    /// Reads the URI (no DNS) and keeps what builds a client for `[mongodb] database`.
+    /// Refuses a URI the driver cannot read and an unacknowledged write concern (w=0).
     pub async fn connect(config: &MongoConfig) -> Result<Self, StoreError> {
-        let mut options = ClientOptions::parse(&config.uri)
-            .await
+        let uri = mongodb::options::ConnectionString::parse(&config.uri)
             .map_err(|e| StoreError::InvalidUri(crate::redact::redact_text(&e.kind.to_string())))?;
-        if let Some(wc) = &options.write_concern
+        if let Some(wc) = &uri.write_concern
             && wc.w == Some(Acknowledgment::Nodes(0))
         {
             return Err(StoreError::UnacknowledgedWriteConcern);
         }
-        if config.tls_ca_file.is_some() || config.tls_certificate_key_file.is_some() {
-            let mut tls = match options.tls.take() {
-                Some(mongodb::options::Tls::Enabled(t)) => t,
-                _ => mongodb::options::TlsOptions::default(),
-            };
-            if let Some(ca) = &config.tls_ca_file {
-                tls.ca_file_path = Some(ca.clone());
-            }
-            if let Some(cert_key) = &config.tls_certificate_key_file {
-                tls.cert_key_file_path = Some(cert_key.clone());
-            }
-            options.tls = Some(mongodb::options::Tls::Enabled(tls));
-        }
-        if options.app_name.is_none() {
-            options.app_name = Some("timeoutd".into());
-        }
-        if options.server_selection_timeout.is_none() {
-            options.server_selection_timeout = Some(Duration::from_secs(10));
-        }
-        let (write_concern, selection) = (
-            options.write_concern.clone(),
-            options.selection_criteria.clone(),
-        );
-        let client = Client::with_options(options)?;
         Ok(Self {
-            db: client.database(&config.database),
-            write_concern,
-            selection,
+            client: Arc::new(OnceCell::new()),
+            config: Arc::new(config.clone()),
+            database: config.database.clone(),
+            write_concern: uri.write_concern.clone(),
+            selection: uri
+                .read_preference
+                .clone()
+                .map(mongodb::options::SelectionCriteria::ReadPreference),
         })
     }
 
     /// A backend over a database of a client built elsewhere (tests).
     pub fn new(db: Database) -> Self {
         Self {
-            db,
+            client: Arc::new(OnceCell::new_with(Some(db.client().clone()))),
+            config: Arc::new(MongoConfig::default()),
+            database: db.name().to_owned(),
             write_concern: None,
             selection: None,
         }
     }
+
+    /// The same client's database `name`.
+    pub fn with_database(&self, name: &str) -> Self {
+        Self {
+            database: name.to_owned(),
+            ..self.clone()
+        }
+    }
+
+    /// The database, its client built first if it was not yet.
+    async fn database(&self) -> Result<Database, MongoError> {
+        let client = self.client.get_or_try_init(|| build(&self.config)).await?;
+        Ok(client.database(&self.database))
+    }
+}
+
+/// Parses the URI (resolving DNS for `mongodb+srv://`) and builds a client.
+async fn build(config: &MongoConfig) -> Result<Client, MongoError> {
+    let mut options = ClientOptions::parse(&config.uri).await?;
+    if config.tls_ca_file.is_some() || config.tls_certificate_key_file.is_some() {
+        let mut tls = match options.tls.take() {
+            Some(mongodb::options::Tls::Enabled(t)) => t,
+            _ => mongodb::options::TlsOptions::default(),
+        };
+        if let Some(ca) = &config.tls_ca_file {
+            tls.ca_file_path = Some(ca.clone());
+        }
+        if let Some(cert_key) = &config.tls_certificate_key_file {
+            tls.cert_key_file_path = Some(cert_key.clone());
+        }
+        options.tls = Some(mongodb::options::Tls::Enabled(tls));
+    }
+    if options.app_name.is_none() {
+        options.app_name = Some("timeoutd".into());
+    }
+    if options.server_selection_timeout.is_none() {
+        options.server_selection_timeout = Some(Duration::from_secs(10));
+    }
+    Client::with_options(options)
 }
 
 async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoError> {
@@ -217,12 +248,16 @@ async fn run(db: Database, collection: String, op: Op) -> Result<Reply, MongoErr
 
 impl Backend for Driver {
     fn run(&self, collection: &str, op: Op) -> BoxFuture<'static, Result<Reply, MongoError>> {
-        Box::pin(run(self.db.clone(), collection.to_owned(), op))
+        let (driver, collection) = (self.clone(), collection.to_owned());
+        Box::pin(async move { run(driver.database().await?, collection, op).await })
     }
 
     fn command(&self, command: Document) -> BoxFuture<'static, Result<Document, MongoError>> {
-        let db = self.db.clone();
-        Box::pin(async move { db.run_command(command).into_future().await })
+        let driver = self.clone();
+        Box::pin(async move {
+            let db = driver.database().await?;
+            db.run_command(command).into_future().await
+        })
     }
 
     fn watch(
@@ -230,8 +265,9 @@ impl Backend for Driver {
         collection: &str,
         pipeline: Vec<Document>,
     ) -> BoxFuture<'static, Result<ChangeStream, MongoError>> {
-        let coll = self.db.collection::<Document>(collection);
+        let (driver, collection) = (self.clone(), collection.to_owned());
         Box::pin(async move {
+            let coll = driver.database().await?.collection::<Document>(&collection);
             let stream = coll
                 .watch()
                 .pipeline(pipeline)
@@ -254,7 +290,10 @@ impl Backend for Driver {
     }
 
     fn shutdown(&self) -> BoxFuture<'static, ()> {
-        let client = self.db.client().clone();
+        // A client never built has nothing to close.
+        let Some(client) = self.client.get().cloned() else {
+            return Box::pin(async {});
+        };
         Box::pin(async move {
             // Dropped before the shutdown finished (its deadline), this clone is leaked on
             // purpose: the last drop of a client spawns an `endSessions` task that can race

@@ -100,16 +100,16 @@ pub struct Store {
 }
 
 impl Store {
-    /// Parses the URI and builds a client ([`crate::store::driver::Driver`]). Refuses an
-    /// unacknowledged write concern. The driver connects lazily; [`Store::refresh_clock`] is
-    /// the first round trip.
+    /// Reads the URI and keeps what builds a client ([`crate::store::driver::Driver`]).
+    /// Refuses an unacknowledged write concern. The client is built at the first call (for
+    /// `mongodb+srv://`, resolving DNS) and connects lazily; [`Store::refresh_clock`] is the
+    /// first round trip.
     pub async fn connect(config: &MongoConfig, clock: ServerClock) -> Result<Self, StoreError> {
         let driver = crate::store::driver::Driver::connect(config).await?;
         let (write_concern, selection) = (driver.write_concern.clone(), driver.selection.clone());
         let limit = server_limit(config.operation_timeout);
         let other_spelling = other_spelling(&config.database).map(|other| {
-            let db = driver.db.client().database(other);
-            let backend: Arc<dyn Backend> = Arc::new(crate::store::driver::Driver::new(db));
+            let backend: Arc<dyn Backend> = Arc::new(driver.with_database(other));
             (other, Coll::new(backend, &config.collection, limit))
         });
         let mut store = Self::with_backend(Arc::new(driver), config, clock);
