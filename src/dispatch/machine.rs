@@ -295,12 +295,16 @@ impl Machine {
     /// than everything held is not kept waiting behind it (the simulation's `late` invariant,
     /// seed 2938: an instance of batch 1 held two records and sent one inserted due before
     /// both 767 ms late), and an instance whose held records are due takes no more.
+    /// The link is up and not blocked by the broker: what is claimed now can be sent.
+    fn link_carries(&self) -> bool {
+        matches!(self.link, Link::Idle { .. } | Link::Publishing(_)) && !self.blocked
+    }
+
     pub fn claim_ahead(&self, now: &Now) -> Option<Duration> {
         let batch = self.config.dispatch.batch_size as usize;
         let look_ahead = self.config.dispatch.look_ahead();
-        let may = matches!(self.link, Link::Idle { .. } | Link::Publishing(_))
+        let may = self.link_carries()
             && self.stopping.is_none()
-            && !self.blocked
             && matches!(self.claims.step, Step::Idle)
             && !self.settle.is_full(2 * batch)
             && !self.rate_saturated();
@@ -624,12 +628,14 @@ impl Machine {
         let spent = now.at.saturating_duration_since(started);
         match candidates {
             // Nothing is taken during shutdown, after the wave it waited on ended unanswered,
-            // or during the hold-off after unconfirmed publishes (the records they released
-            // may be among the candidates).
+            // during the hold-off after unconfirmed publishes (the records they released may
+            // be among the candidates), or while the link could not carry them (down, or
+            // blocked by the broker: they would be released at once).
             candidates
                 if self.stopping.is_some()
                     || gate == Gate::Shut
-                    || now.at < self.claims.not_before =>
+                    || now.at < self.claims.not_before
+                    || !self.link_carries() =>
             {
                 self.claims.finished(started, candidates.more(), now.at);
             }
@@ -680,7 +686,9 @@ impl Machine {
                 started,
                 spent,
                 candidates,
-            } if take && at >= self.claims.not_before => self.take(started, spent, candidates, at),
+            } if take && at >= self.claims.not_before && self.link_carries() => {
+                self.take(started, spent, candidates, at)
+            }
             Step::Gated {
                 started,
                 candidates,

@@ -143,8 +143,6 @@ impl Rig {
         self.candidates(&[candidate]);
     }
 
-    /// The claim running returns record 1, which this instance sent: it is removed under the
-    /// claim's lease, not sent again.
     /// A claim takes record 1, due at `due` as when it was delivered, again: it is removed
     /// under the claim's lease, not sent.
     fn claimed_again_is_removed(&mut self, case: &str, due: DateTime) {
@@ -366,6 +364,29 @@ fn a_link_lost_after_each_connect_is_reconnected_to_later_and_later() {
         after <= Duration::from_millis(200),
         "{after:?} after a confirmed wave"
     );
+}
+
+/// Found in review (helper-37): a claim gated beside a wave took its candidates once the
+/// broker answered, though the broker had blocked the connection meanwhile, or the link was
+/// lost with the wave: it leased the records only to release them at once (counted as
+/// publish failures that were never tried), hiding them from peers meanwhile.
+#[test]
+fn a_gated_claim_takes_nothing_once_the_link_is_blocked_or_lost() {
+    for case in ["blocked", "lost"] {
+        let mut r = Rig::up(Config::default());
+        r.gated_beside_a_wave(&[1], 2);
+        match case {
+            "blocked" => {
+                r.handle(Input::Blocked(true));
+                r.handle(Input::Answered);
+            }
+            _ => r.handle(Input::WaveSent {
+                outcomes: vec![SendOutcome::Confirmed],
+                open: None,
+            }),
+        }
+        assert!(!r.takes(), "{case}: took");
+    }
 }
 
 /// Found in review (helper-35): a wave confirmed in part whose link was lost with it took
