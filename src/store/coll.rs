@@ -43,6 +43,12 @@ impl Coll {
         &self.name
     }
 
+    /// The `maxTimeMS` of its reads, as a duration: also the bound of a call nothing else
+    /// bounds (one spawned by a drop guard).
+    pub fn max_time(&self) -> Duration {
+        self.max_time
+    }
+
     /// The backend it runs on.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend

@@ -314,15 +314,18 @@ impl Parking {
             return Ok(Parked::Moved);
         }
         // Not ours any more: take back this copy, and only this one, unless a park that
-        // deleted the record relies on it.
+        // deleted the record relies on it. Taken back even if this park is cut short here
+        // (its deadline) or the call fails: left, a later `parked requeue` would put back a
+        // record another owner has delivered meanwhile (found in review, helper-37).
         if mine {
-            self.parked
-                .delete_one(doc! {
-                    field::ID: id.clone(),
-                    parked_field::PARK_ID: park_id,
-                    parked_field::KEPT: { "$ne": true },
-                })
-                .await?;
+            let copy = doc! {
+                field::ID: id.clone(),
+                parked_field::PARK_ID: park_id,
+                parked_field::KEPT: { "$ne": true },
+            };
+            let mut take_back = TakeBack(Some((self.parked.clone(), copy.clone())));
+            self.parked.delete_one(copy).await?;
+            take_back.0 = None;
         }
         Ok(Parked::LeaseLost)
     }
@@ -461,6 +464,27 @@ impl Parking {
             .delete_one(doc! { field::ID: id.clone() })
             .await?;
         Ok(r.deleted == 1)
+    }
+}
+
+/// A parked copy to take back, once more in a task of its own, if the park that wrote it
+/// ends before its own take-back answered (dropped at its deadline, or the call failed).
+struct TakeBack(Option<(Coll, Document)>);
+
+impl Drop for TakeBack {
+    fn drop(&mut self) {
+        let Some((parked, copy)) = self.0.take() else {
+            return;
+        };
+        let copy_id = copy.get(field::ID).cloned();
+        crate::host::spawn(async move {
+            let limit = parked.max_time();
+            let taken = tokio::time::timeout(limit, parked.delete_one(copy).into_future()).await;
+            if !matches!(taken, Ok(Ok(_))) {
+                let id = crate::record::display_id(copy_id.as_ref().unwrap_or(&Bson::Null));
+                tracing::warn!(timeout_id = %id, "could not take back the parked copy of a record whose lease was lost: `timeoutd parked requeue` could send it again; drop the copy (`timeoutd parked drop`)");
+            }
+        });
     }
 }
 
@@ -677,6 +701,49 @@ mod tests {
         fn shutdown(&self) -> BoxFuture<'static, ()> {
             Box::pin(async {})
         }
+    }
+
+    /// A park whose lease was lost takes its parked copy back even when it is cut short
+    /// during that take-back (its deadline): left, a `parked requeue` would put back a record
+    /// another owner has delivered meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn a_park_cut_short_taking_its_copy_back_still_takes_it_back() {
+        use crate::store::backend::Answer;
+        let take_backs: Arc<Mutex<u32>> = Arc::default();
+        let counted = take_backs.clone();
+        let backend = crate::store::backend::Answering::new(move |op: Op| match op {
+            Op::Delete { filter, .. } if filter.contains_key(parked_field::PARK_ID) => {
+                let mut n = counted.lock().unwrap_or_else(|e| e.into_inner());
+                *n += 1;
+                match *n {
+                    1 => Answer::Never,
+                    _ => Answer::Now(written(1)),
+                }
+            }
+            // The record's guarded delete: the lease was lost.
+            Op::Delete { .. } => Answer::Now(written(0)),
+            _ => Answer::Now(written(1)),
+        });
+        let store = crate::store::Store::with_backend(
+            Arc::new(backend),
+            &MongoConfig::default(),
+            ServerClock::default(),
+        );
+        let parking = store.parking();
+        let id = crate::record::uuid_bson(crate::host::uuid());
+        let raw = doc! { field::ID: id.clone(), field::DESTINATION: "q" };
+        let owner = crate::host::uuid();
+        let park = parking.park(&id, &raw, owner, ParkReason::Unroutable, "returned", 5);
+        let cut = tokio::time::timeout(Duration::from_secs(5), park).await;
+        assert!(cut.is_err(), "the take-back never answers: {cut:?}");
+        let asked = || *take_backs.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..600 {
+            if asked() >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(asked(), 2, "the copy was not taken back again");
     }
 
     /// A parked copy without the record document (written by hand, or by another tool) is
