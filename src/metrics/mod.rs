@@ -327,7 +327,7 @@ pub const SERIES: &[Series] = &[
     .at_zero(),
     gauge(
         "timeoutd_indexes_missing",
-        "Indexes timeoutd asked for that do not exist yet (being built, or their creation failed); claims use the indexes that exist meanwhile.",
+        "Indexes timeoutd asked for that do not exist yet (being built, or their creation failed): those of the timeouts collection, and each set of its own collections (parking, control, history) not created yet; claims use the indexes that exist meanwhile.",
     )
     .at_zero(),
 ];
