@@ -482,6 +482,34 @@ mod tests {
         );
     }
 
+    /// A task failing while start-up waits for MongoDB is counted once: it was counted when
+    /// it failed and again by the drain, as a failure that did not stop in time.
+    #[tokio::test(start_paused = true)]
+    async fn a_task_failing_at_start_up_is_counted_once() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let config = Arc::new(Config::default());
+        let (_server, store) = Store::silent();
+        let publisher = Publisher::new(&config.rabbitmq).expect("publisher");
+        let health = Arc::new(Health::new(config.dispatch.poll_interval));
+        let shutdown = CancellationToken::new();
+        let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
+        tasks.spawn("systemd", async {
+            Err::<(), _>("the notify socket went away")
+        });
+        let run = run_tasks_under(config, store, publisher, health, shutdown, tasks, || {});
+        let ended = tokio::time::timeout(Duration::from_secs(300), run)
+            .await
+            .expect("the daemon stops while MongoDB never answers");
+        assert!(ended.is_err(), "{ended:?}");
+        let text = recorder.handle().render();
+        let counted = text
+            .lines()
+            .find(|l| l.starts_with("timeoutd_task_failures_total{task=\"systemd\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        assert_eq!(counted, Some(1.0), "{text}");
+    }
+
     /// A `mongodb+srv://` name that does not resolve (a resolver not ready at boot, or
     /// failing for a while) is a MongoDB not reachable yet: waited for, the endpoints
     /// serving, until shutdown. The URI was resolved at start-up, and the daemon ended at

@@ -46,6 +46,8 @@ pub struct Supervisor {
     lasting: HashSet<Id>,
     shutdown: CancellationToken,
     health: Arc<Health>,
+    /// A failure was reported (logged, counted) here.
+    reported: bool,
 }
 
 impl Supervisor {
@@ -56,6 +58,7 @@ impl Supervisor {
             lasting: HashSet::new(),
             shutdown,
             health,
+            reported: false,
         }
     }
 
@@ -138,7 +141,10 @@ impl Supervisor {
         // A task that handled its own failure (the dispatch loop contains a panic, records
         // it and starts shutdown) and had not ended by the deadline: the process still
         // failed (helper-27: it exited 0, and `Restart=on-failure` left it down).
+        // Not one this supervisor reported already (found in review: a task failing while
+        // start-up waited for MongoDB was counted twice).
         if failure.is_none()
+            && !self.reported
             && let Some(task) = self.health.failed_task()
         {
             m::task_failure(task);
@@ -174,7 +180,8 @@ impl Supervisor {
         }
     }
 
-    fn failed(&self, task: &'static str, how: String) -> TaskFailed {
+    fn failed(&mut self, task: &'static str, how: String) -> TaskFailed {
+        self.reported = true;
         tracing::error!(
             task,
             how,
