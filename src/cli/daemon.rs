@@ -267,6 +267,7 @@ async fn start(
         ok(reaper::run(
             store.clone(),
             config.reaper_interval(),
+            reaper::census_every(config.reaper.interval),
             shutdown.clone(),
         )),
     );

@@ -1,8 +1,7 @@
 //! The reaper: every `[reaper] interval` (a quarter of the lease by default), frees the
 //! records whose lease has expired, so that a crashed or stalled instance's claims become
-//! claimable again. Every [`CENSUS_INTERVAL`] (or every lease, if that is shorter: a stuck
-//! lock is freed once it stayed so for a whole lease) it frees the records locked with no
-//! lease expiry (left by ServiceConnect's own poller) once they stayed so for a whole lease,
+//! claimable again. Every [`CENSUS_INTERVAL`] (or every `[reaper] interval`, when one shorter
+//! is set: [`census_every`]) it frees the records locked with no lease expiry (left by ServiceConnect's own poller) once they stayed so for a whole lease,
 //! and takes the census of records nothing fires on its own ([`crate::store::census`]) and
 //! sets its gauges.
 //!
@@ -25,65 +24,71 @@ use crate::store::{Store, StoreError};
 /// How often stuck locks are looked for and the census gauges refreshed.
 pub const CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 
-/// Runs until `shutdown` is cancelled. Each of its three calls is paced
-/// ([`crate::store::pacing::Pacing`]): after a failure a tick is skipped until its back-off has
-/// passed, and after a timeout until the abandoned run has ended on the server.
-pub async fn run(store: Store, interval: Duration, shutdown: CancellationToken) {
-    let mut reap = tokio::time::interval(interval);
-    reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The first census one period after start, not at once: a fleet restarted on a backlog
-    // spends its first seconds draining it, not scanning the collection.
-    // Every five minutes under the default lease, not every pass (found in review: it was
-    // the shorter of the two, every 75 s, four times the scans the docs promise); a shorter
-    // lease (tests) takes it sooner.
-    let every = CENSUS_INTERVAL.min(store.lock_lease().max(interval));
-    let mut census = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    census.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// How often the census is taken: every [`CENSUS_INTERVAL`], or every `[reaper] interval`
+/// when one shorter is set. Not every pass of the default interval (found in review: it was
+/// the shorter of the two, every 75 s under the default lease, four times the scans the docs
+/// promise).
+pub fn census_every(interval_set: Option<Duration>) -> Duration {
+    interval_set.map_or(CENSUS_INTERVAL, |set| set.min(CENSUS_INTERVAL))
+}
+
+/// Runs until `shutdown` is cancelled, which ends a call waiting on a server that does not
+/// answer too. The passes and the census run side by side, each on its own ticks: either may
+/// take its whole interval (a slow server) without starving the other (found in review: in
+/// one `select!`, whichever was listed first ran again and again). Each of the three calls is
+/// paced ([`crate::store::pacing::Pacing`]): after a failure a tick is skipped until its
+/// back-off has passed, and after a timeout until the abandoned run has ended on the server.
+/// (`select!`, not `CancellationToken::run_until_cancelled`, an async fn that holds its future
+/// twice: the census's is 34 KB in a debug build, and the simulation's threads overflowed
+/// their stacks.)
+pub async fn run(
+    store: Store,
+    interval: Duration,
+    census_every: Duration,
+    shutdown: CancellationToken,
+) {
+    tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => {}
+        () = passes(&store, interval) => {}
+        () = censuses(&store, census_every) => {}
+    }
+}
+
+/// A pass every `interval`.
+async fn passes(store: &Store, interval: Duration) {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pacing = Pacing::new(store.operation_timeout());
+    loop {
+        ticks.tick().await;
+        if pacing.ready() {
+            let result = pass(store).await;
+            pacing.record(&result);
+        }
+    }
+}
+
+/// The stuck locks freed and the census taken every `every`, the first one period after
+/// start, not at once: a fleet restarted on a backlog spends its first seconds draining it,
+/// not scanning the collection.
+async fn censuses(store: &Store, every: Duration) {
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // What the census remembers between passes: the stuck records and when each was first
     // seen, the records already named, the last warning about another dispatcher.
     let state = CensusState::default();
     let paced = || Pacing::new(store.operation_timeout());
-    let (mut reaping, mut freeing, mut counting) = (paced(), paced(), paced());
-    // Each call yields to shutdown too, not only the wait between them: a call waits up to
-    // `operation_timeout` on a server that does not answer. (`select!`, not
-    // `CancellationToken::run_until_cancelled`, an async fn that holds its future twice: the
-    // census's is 34 KB in a debug build, and the simulation's threads overflowed their
-    // stacks.)
+    let (mut freeing, mut counting) = (paced(), paced());
     loop {
-        tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            // The census first: its ticks are the rarer, and a pass that takes its whole
-            // interval leaves the next tick ready at once (found in review: listed after it,
-            // the census never ran while passes were that slow).
-            _ = census.tick() => {
-                if freeing.ready() {
-                    let result = tokio::select! {
-                        biased;
-                        _ = shutdown.cancelled() => break,
-                        r = free_stuck(&store, &state) => r,
-                    };
-                    freeing.record(&result);
-                }
-                if counting.ready() {
-                    let result = tokio::select! {
-                        biased;
-                        _ = shutdown.cancelled() => break,
-                        r = take_census(&store, &state) => r,
-                    };
-                    counting.record(&result);
-                }
-            }
-            _ = reap.tick() => {
-                if reaping.ready() {
-                    let result = tokio::select! {
-                        biased;
-                        _ = shutdown.cancelled() => break,
-                        r = pass(&store) => r,
-                    };
-                    reaping.record(&result);
-                }
-            }
+        ticks.tick().await;
+        if freeing.ready() {
+            let result = free_stuck(store, &state).await;
+            freeing.record(&result);
+        }
+        if counting.ready() {
+            let result = take_census(store, &state).await;
+            counting.record(&result);
         }
     }
 }
@@ -195,7 +200,8 @@ mod tests {
             ServerClock::default(),
         );
         let stop = CancellationToken::new();
-        let task = crate::host::spawn(run(store, interval, stop.clone()));
+        let every = census_every(None);
+        let task = crate::host::spawn(run(store, interval, every, stop.clone()));
         tokio::time::sleep(span).await;
         stop.cancel();
         task.await.expect("the reaper ends at shutdown");
@@ -212,7 +218,8 @@ mod tests {
     }
 
     /// Passes that each take their whole interval (a slow server) leave the census its
-    /// turn: listed after the pass in a biased `select!`, it never ran.
+    /// turn, and censuses as slow leave the passes theirs: listed after the pass in one
+    /// biased `select!`, the census never ran (and listed first, the passes would not).
     #[tokio::test(start_paused = true)]
     async fn slow_passes_leave_the_census_its_turn() {
         let slow = Duration::from_millis(1_500);
@@ -226,7 +233,13 @@ mod tests {
     async fn a_shutdown_during_a_pass_ends_the_reaper_at_once() {
         let (silent, store) = Store::silent();
         let stop = CancellationToken::new();
-        let task = crate::host::spawn(run(store.clone(), Duration::from_secs(1), stop.clone()));
+        let every = census_every(Some(Duration::from_secs(1)));
+        let task = crate::host::spawn(run(
+            store.clone(),
+            Duration::from_secs(1),
+            every,
+            stop.clone(),
+        ));
         while silent.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
