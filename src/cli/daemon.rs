@@ -267,7 +267,7 @@ async fn start(
         ok(reaper::run(
             store.clone(),
             config.reaper_interval(),
-            reaper::census_every(config.reaper.interval),
+            reaper::census_every(config.dispatch.lock_lease, config.reaper.interval),
             shutdown.clone(),
         )),
     );

@@ -1,7 +1,7 @@
 //! The reaper: every `[reaper] interval` (a quarter of the lease by default), frees the
 //! records whose lease has expired, so that a crashed or stalled instance's claims become
-//! claimable again. Every [`CENSUS_INTERVAL`] (or every `[reaper] interval`, when one shorter
-//! is set: [`census_every`]) it frees the records locked with no lease expiry (left by ServiceConnect's own poller) once they stayed so for a whole lease,
+//! claimable again. Every [`CENSUS_INTERVAL`] (or sooner under a shorter lease or `[reaper]
+//! interval`: [`census_every`]) it frees the records locked with no lease expiry (left by ServiceConnect's own poller) once they stayed so for a whole lease,
 //! and takes the census of records nothing fires on its own ([`crate::store::census`]) and
 //! sets its gauges.
 //!
@@ -24,12 +24,14 @@ use crate::store::{Store, StoreError};
 /// How often stuck locks are looked for and the census gauges refreshed.
 pub const CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 
-/// How often the census is taken: every [`CENSUS_INTERVAL`], or every `[reaper] interval`
-/// when one shorter is set. Not every pass of the default interval (found in review: it was
-/// the shorter of the two, every 75 s under the default lease, four times the scans the docs
-/// promise).
-pub fn census_every(interval_set: Option<Duration>) -> Duration {
-    interval_set.map_or(CENSUS_INTERVAL, |set| set.min(CENSUS_INTERVAL))
+/// How often the census is taken: every [`CENSUS_INTERVAL`], or sooner under a shorter
+/// lease (a stuck lock is freed once it stayed so for a whole lease) or a shorter
+/// `[reaper] interval` set explicitly. Not every pass of the default interval (found in
+/// review: it was the shorter of the two, every 75 s under the default lease, four times the
+/// scans the docs promise).
+pub fn census_every(lease: Duration, interval_set: Option<Duration>) -> Duration {
+    let every = CENSUS_INTERVAL.min(lease);
+    interval_set.map_or(every, |set| set.min(every))
 }
 
 /// Runs until `shutdown` is cancelled, which ends a call waiting on a server that does not
@@ -200,7 +202,7 @@ mod tests {
             ServerClock::default(),
         );
         let stop = CancellationToken::new();
-        let every = census_every(None);
+        let every = census_every(Duration::from_secs(300), None);
         let task = crate::host::spawn(run(store, interval, every, stop.clone()));
         tokio::time::sleep(span).await;
         stop.cancel();
@@ -233,7 +235,7 @@ mod tests {
     async fn a_shutdown_during_a_pass_ends_the_reaper_at_once() {
         let (silent, store) = Store::silent();
         let stop = CancellationToken::new();
-        let every = census_every(Some(Duration::from_secs(1)));
+        let every = census_every(Duration::from_secs(300), Some(Duration::from_secs(1)));
         let task = crate::host::spawn(run(
             store.clone(),
             Duration::from_secs(1),
