@@ -503,12 +503,8 @@ mod tests {
             .await
             .expect("the daemon stops while MongoDB never answers");
         assert!(ended.is_err(), "{ended:?}");
-        let text = recorder.handle().render();
-        let counted = text
-            .lines()
-            .find(|l| l.starts_with("timeoutd_task_failures_total{task=\"systemd\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
-        assert_eq!(counted, Some(1.0), "{text}");
+        let systemd = "timeoutd_task_failures_total{task=\"systemd\"}";
+        assert_eq!(crate::metrics::rendered(&recorder.handle(), systemd), 1.0);
     }
 
     /// A `mongodb+srv://` name that does not resolve (a resolver not ready at boot, or

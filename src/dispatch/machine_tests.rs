@@ -427,21 +427,12 @@ fn a_wave_answered_by_nothing_is_no_confirm_time() {
     r.publish();
     r.advance(Duration::from_secs(20));
     r.sent(SendOutcome::NotSent("not connected".into()), OPEN);
-    let count = |text: &str| {
-        text.lines()
-            .find(|l| l.starts_with("timeoutd_publish_confirm_seconds_count"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    assert_eq!(count(&recorder.handle().render()), 0.0);
+    let count = || m::rendered(&recorder.handle(), "timeoutd_publish_confirm_seconds_count");
+    assert_eq!(count(), 0.0);
     r.hold(2, Duration::from_secs(300));
     r.publish();
     r.sent(SendOutcome::Confirmed, OPEN);
-    assert_eq!(
-        count(&recorder.handle().render()),
-        1.0,
-        "a confirmed wave is"
-    );
+    assert_eq!(count(), 1.0, "a confirmed wave is");
 }
 
 /// Issue 25, 8.5: the claims after an unconfirmed wave were spaced by the link's back-off,

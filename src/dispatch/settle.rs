@@ -728,10 +728,7 @@ pub(crate) mod tests {
     }
 
     fn counter(metrics: &PrometheusHandle, name: &str) -> f64 {
-        let value = |l: &str| l.rsplit(' ').next()?.parse::<f64>().ok();
-        let text = metrics.render();
-        let named = |l: &&str| l.starts_with(name);
-        text.lines().filter(named).filter_map(value).sum()
+        crate::metrics::rendered(metrics, name)
     }
 
     /// helper-22: after the dispatch loop panicked, a removal the drain's end cut short

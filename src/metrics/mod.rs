@@ -7,6 +7,18 @@
 
 mod recording;
 
+/// Tests: the sum of the series of a rendered exposition whose lines start with `prefix` (a
+/// name and a space, or a name with its labels).
+#[cfg(test)]
+pub fn rendered(metrics: &metrics_exporter_prometheus::PrometheusHandle, prefix: &str) -> f64 {
+    let value = |l: &str| l.rsplit(' ').next()?.parse::<f64>().ok();
+    let text = metrics.render();
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(value)
+        .sum()
+}
+
 pub use recording::*;
 
 use metrics::Unit;

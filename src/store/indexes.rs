@@ -573,12 +573,8 @@ mod tests {
         tokio::time::sleep(ASK_AGAIN * 2).await;
         stop.cancel();
         task.await.expect("the index task ends at shutdown");
-        let text = recorder.handle().render();
-        let missing = text
-            .lines()
-            .find(|l| l.starts_with("timeoutd_indexes_missing "))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
-        assert_eq!(missing, Some(1.0), "the history's set");
+        let missing = m::rendered(&recorder.handle(), "timeoutd_indexes_missing ");
+        assert_eq!(missing, 1.0, "the history's set");
     }
 
     /// An index with the keys of one of ours under another name serves as ours: it was
