@@ -32,6 +32,17 @@ pub mod field {
     pub const INVALID_UTF8: &str = "timeoutd.invalid_utf8";
 }
 
+/// Whether a stored document can be addressed by its `_id`: it has one, and [`from_stored`]
+/// did not alter it (an `_id` string with bytes that are not UTF-8 cannot be written back
+/// into a filter, so no claim, release or park would match the record).
+pub fn addressable(doc: &Document) -> bool {
+    let altered = doc
+        .get_document(field::INVALID_UTF8)
+        .and_then(|bad| bad.get_array("fields"))
+        .is_ok_and(|fields| fields.iter().any(|f| f.as_str() == Some(field::ID)));
+    doc.contains_key(field::ID) && !altered
+}
+
 /// A document as the server sent it, read whatever its strings hold. BSON strings must be
 /// UTF-8, and the `bson` crate refuses a document with one that is not: read as a
 /// `Document`, one such record, written by a client that does not check (MongoDB stores what

@@ -185,6 +185,8 @@ pub struct ClaimPath {
     shapes: Shapes,
     window: ReadWindow,
     head: PausedHead,
+    /// The records found that no filter can name, each warned of once.
+    named: std::sync::Mutex<std::collections::HashSet<Vec<u8>>>,
 }
 
 impl Store {
@@ -204,6 +206,22 @@ impl ClaimPath {
             shapes,
             window: ReadWindow::default(),
             head: PausedHead::default(),
+            named: Default::default(),
+        }
+    }
+
+    /// Warns once of each record found whose `_id` the read altered (not UTF-8): nothing
+    /// timeoutd writes can name it, so it is left where it is, for an operator.
+    fn name_unaddressable(&self, found: Vec<Document>) {
+        let mut named = self.named.lock().unwrap_or_else(|e| e.into_inner());
+        for doc in found {
+            let id = doc.get(field::ID).cloned().unwrap_or(Bson::Null);
+            if named.insert(crate::record::id_key(&id)) {
+                tracing::warn!(
+                    timeout_id = %crate::record::display_id(&id),
+                    "record cannot be claimed: its _id is not valid UTF-8, so no filter timeoutd writes can name it; it will not fire until it is fixed or deleted by hand"
+                );
+            }
         }
     }
 
@@ -304,11 +322,14 @@ impl ClaimPath {
         let all_due = found
             .iter()
             .all(|(due, _)| due.is_some_and(|due| due <= earliest));
-        let found = found
+        // Only records a filter can name: a take of an `_id` the read altered matched
+        // nothing, and the claim, seeing a candidate it did not get, ran again at once, for
+        // ever (found in review, helper-39).
+        let (found, unaddressable): (Vec<Document>, Vec<Document>) = found
             .into_iter()
             .map(|(_, d)| d)
-            .filter(|d| d.contains_key(field::ID))
-            .collect();
+            .partition(crate::record::addressable);
+        self.name_unaddressable(unaddressable);
         Ok(Candidates {
             horizon: range.to,
             shapes,
@@ -701,6 +722,25 @@ mod tests {
             .expect("one shape")
             .get("$gte");
         assert_eq!(from, None, "the second read starts at {from:?}");
+    }
+
+    /// A record whose `_id` is a string with bytes that are not UTF-8 is left out of the
+    /// take: the altered `_id` matched nothing, and the claim, seeing a candidate it did not
+    /// get, ran again at once, for ever.
+    #[tokio::test]
+    async fn a_record_whose_id_the_read_altered_is_left_out_of_the_take() {
+        let mut bad = record(-60_000);
+        bad.insert(field::ID, "id-@@@");
+        let mut bytes = bson::to_vec(&bad).expect("bytes");
+        for at in 0..bytes.len() - 2 {
+            if bytes[at..at + 3] == *b"@@@" {
+                bytes[at..at + 3].copy_from_slice(&[0xff, 0xfe, b'x']);
+            }
+        }
+        let read = crate::record::from_stored(bson::RawDocument::from_bytes(&bytes).expect("BSON"));
+        let (claim, ops) = claim(vec![read, record(-30_000)], 1, Duration::ZERO).await;
+        assert!(!claim.more, "claims again at once");
+        assert_eq!(claim.read, 1, "{:?}", names(&ops));
     }
 
     /// After a reading whose round trip took 10 s, a lease running out 2 s after the earliest
