@@ -466,21 +466,30 @@ mod tests {
     /// whose HTTP endpoints were gone waited on for as long as MongoDB did not answer.
     #[tokio::test(start_paused = true)]
     async fn a_task_failing_while_start_up_waits_for_mongodb_stops_the_daemon() {
+        let ended = start_up_beside(|tasks| {
+            tasks.spawn_lasting("http", async { Err::<(), _>("the listener closed") });
+        })
+        .await;
+        assert!(
+            matches!(&ended, Err(DaemonError::TaskFailed(f)) if f.task == "http"),
+            "{ended:?}"
+        );
+    }
+
+    /// Runs the daemon's tasks on a MongoDB that never answers, beside the tasks `spawn`
+    /// starts; returns how it ended (within 300 s).
+    async fn start_up_beside(spawn: impl FnOnce(&mut Supervisor)) -> Result<(), DaemonError> {
         let config = Arc::new(Config::default());
         let (_server, store) = Store::silent();
         let publisher = Publisher::new(&config.rabbitmq).expect("publisher");
         let health = Arc::new(Health::new(config.dispatch.poll_interval));
         let shutdown = CancellationToken::new();
         let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
-        tasks.spawn_lasting("http", async { Err::<(), _>("the listener closed") });
+        spawn(&mut tasks);
         let run = run_tasks_under(config, store, publisher, health, shutdown, tasks, || {});
-        let ended = tokio::time::timeout(Duration::from_secs(300), run)
+        tokio::time::timeout(Duration::from_secs(300), run)
             .await
-            .expect("the daemon stops while MongoDB never answers");
-        assert!(
-            matches!(&ended, Err(DaemonError::TaskFailed(f)) if f.task == "http"),
-            "{ended:?}"
-        );
+            .expect("the daemon stops while MongoDB never answers")
     }
 
     /// A task failing while start-up waits for MongoDB is counted once: it was counted when
@@ -489,19 +498,12 @@ mod tests {
     async fn a_task_failing_at_start_up_is_counted_once() {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let _recorder = metrics::set_default_local_recorder(&recorder);
-        let config = Arc::new(Config::default());
-        let (_server, store) = Store::silent();
-        let publisher = Publisher::new(&config.rabbitmq).expect("publisher");
-        let health = Arc::new(Health::new(config.dispatch.poll_interval));
-        let shutdown = CancellationToken::new();
-        let mut tasks = Supervisor::new(shutdown.clone(), health.clone());
-        tasks.spawn("systemd", async {
-            Err::<(), _>("the notify socket went away")
-        });
-        let run = run_tasks_under(config, store, publisher, health, shutdown, tasks, || {});
-        let ended = tokio::time::timeout(Duration::from_secs(300), run)
-            .await
-            .expect("the daemon stops while MongoDB never answers");
+        let ended = start_up_beside(|tasks| {
+            tasks.spawn("systemd", async {
+                Err::<(), _>("the notify socket went away")
+            });
+        })
+        .await;
         assert!(ended.is_err(), "{ended:?}");
         let systemd = "timeoutd_task_failures_total{task=\"systemd\"}";
         assert_eq!(crate::metrics::rendered(&recorder.handle(), systemd), 1.0);

@@ -321,24 +321,19 @@ impl Config {
         // connect failed; found in review, helper-38).
         const CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----";
         const PRIVATE_KEY: &str = "PRIVATE KEY-----";
+        const CERT: &[&str] = &[CERTIFICATE];
+        const KEY: &[&str] = &[PRIVATE_KEY];
+        const BOTH: &[&str] = &[CERTIFICATE, PRIVATE_KEY];
         for (key, file, needs) in [
-            ("mongodb.tls_ca_file", &m.tls_ca_file, &[CERTIFICATE][..]),
+            ("mongodb.tls_ca_file", &m.tls_ca_file, CERT),
             (
                 "mongodb.tls_certificate_key_file",
                 &m.tls_certificate_key_file,
-                &[CERTIFICATE, PRIVATE_KEY][..],
+                BOTH,
             ),
-            ("rabbitmq.tls_ca_file", &rq.tls_ca_file, &[CERTIFICATE][..]),
-            (
-                "rabbitmq.tls_cert_file",
-                &rq.tls_cert_file,
-                &[CERTIFICATE][..],
-            ),
-            (
-                "rabbitmq.tls_key_file",
-                &rq.tls_key_file,
-                &[PRIVATE_KEY][..],
-            ),
+            ("rabbitmq.tls_ca_file", &rq.tls_ca_file, CERT),
+            ("rabbitmq.tls_cert_file", &rq.tls_cert_file, CERT),
+            ("rabbitmq.tls_key_file", &rq.tls_key_file, KEY),
         ] {
             let Some(path) = file else { continue };
             match std::fs::read(path) {

@@ -163,6 +163,26 @@ impl Rig {
         );
     }
 
+    /// The removal of record 1 (leased for 10 s) ends 11 s later, having run out of lease.
+    fn removal_lapsed(&mut self) {
+        self.advance(Duration::from_secs(11));
+        self.handle(Input::Settled {
+            records: 1,
+            refused: None,
+            removing: vec![Bson::Int32(1)],
+            lapsed: vec![Bson::Int32(1)],
+        });
+    }
+
+    /// A claim starts now, reads record 1 and takes it.
+    fn claim_takes_record_1(&mut self, case: &str) {
+        self.m.claims.step = Step::Idle;
+        self.m.claims.next_at = self.at;
+        assert!(self.reads(), "{case}");
+        self.candidates(&[1]);
+        assert!(self.takes(), "{case}");
+    }
+
     /// One wave of one record with `outcome`; returns the hold-off on claims after it.
     fn wave(&mut self, n: i32, destination: &str, outcome: SendOutcome) -> Duration {
         let mut record = leased(n, self.server(), self.lease(300));
@@ -804,20 +824,10 @@ fn a_record_whose_removal_outlived_its_lease_is_removed_not_sent_again() {
             .any(|c| matches!(c, Command::Settle(Settle::Remove { .. })));
         assert_eq!(handed_out, removal != "queued", "{removal}: {commands:?}");
         if removal.starts_with("gave up") {
-            r.advance(Duration::from_secs(11));
-            r.handle(Input::Settled {
-                records: 1,
-                refused: None,
-                removing: vec![Bson::Int32(1)],
-                lapsed: vec![Bson::Int32(1)],
-            });
+            r.removal_lapsed();
         }
         r.advance(Duration::from_secs(11));
-        r.m.claims.step = Step::Idle;
-        r.m.claims.next_at = r.at;
-        assert!(r.reads(), "{removal}");
-        r.candidates(&[1]);
-        assert!(r.takes(), "{removal}");
+        r.claim_takes_record_1(removal);
         if removal.ends_with("shutdown") {
             r.handle(Input::Shutdown);
         }
@@ -843,20 +853,10 @@ fn a_delivered_record_moved_to_a_new_instant_is_sent_again() {
     assert_eq!(r.publish().len(), 1);
     r.sent(SendOutcome::Confirmed, OPEN);
     let _ = r.commands();
-    r.advance(Duration::from_secs(11));
-    r.handle(Input::Settled {
-        records: 1,
-        refused: None,
-        removing: vec![Bson::Int32(1)],
-        lapsed: vec![Bson::Int32(1)],
-    });
+    r.removal_lapsed();
     // Rescheduled to now plus a minute; a claim takes it then, at its new instant.
     r.advance(Duration::from_secs(60));
-    r.m.claims.step = Step::Idle;
-    r.m.claims.next_at = r.at;
-    assert!(r.reads());
-    r.candidates(&[1]);
-    assert!(r.takes());
+    r.claim_takes_record_1("rescheduled");
     let new = r.lease(60);
     r.handle(Input::Claimed(Ok(claim_of(
         vec![leased(1, r.server(), new)],

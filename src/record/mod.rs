@@ -296,7 +296,7 @@ impl TimeoutRecord {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use bson::doc;
 
@@ -311,13 +311,21 @@ mod tests {
             due: DateTime::from_millis(1_767_225_600_000),
             headers: doc! { "h": "v-@@@" },
         };
-        let mut bytes = bson::to_vec(&record.to_document(TimeEncoding::Auto)).expect("bytes");
-        for at in 0..bytes.len() - 2 {
+        (
+            id,
+            not_utf8_at_marks(&record.to_document(TimeEncoding::Auto)),
+        )
+    }
+
+    /// `doc`'s bytes, each `@@@` in its strings replaced by bytes that are not UTF-8.
+    pub(crate) fn not_utf8_at_marks(doc: &Document) -> Vec<u8> {
+        let mut bytes = bson::to_vec(doc).expect("bytes");
+        for at in 0..bytes.len().saturating_sub(2) {
             if bytes[at..at + 3] == *b"@@@" {
                 bytes[at..at + 3].copy_from_slice(&[0xff, 0xfe, b'x']);
             }
         }
-        (id, bytes)
+        bytes
     }
 
     /// Found in review (helper-34): read as a `Document`, a record with bytes that are not

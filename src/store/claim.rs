@@ -507,6 +507,23 @@ mod tests {
     /// `takes` of them (a read-back finds nothing); returns the claim and every operation
     /// the server was asked for.
     async fn claim(docs: Vec<Document>, takes: u64, look_ahead: Duration) -> (Claim, Vec<Op>) {
+        let (path, asked) = path_over(docs, takes);
+        let candidates = path
+            .candidates(10, look_ahead, &[])
+            .await
+            .expect("the read answers");
+        let claim = path
+            .take(candidates, Duration::from_secs(60))
+            .await
+            .expect("the take answers");
+        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        (claim, ops)
+    }
+
+    /// A claim path over a server whose first due read returns `docs` and whose
+    /// compare-and-swap takes `takes` of them (a read-back finds nothing), and every operation
+    /// it was asked for.
+    fn path_over(docs: Vec<Document>, takes: u64) -> (ClaimPath, Arc<Mutex<Vec<Op>>>) {
         let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
         let ops = asked.clone();
         let backend = Answering::new(move |op: Op| {
@@ -528,17 +545,10 @@ mod tests {
             &MongoConfig::default(),
             ServerClock::default(),
         );
-        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
-        let candidates = path
-            .candidates(10, look_ahead, &[])
-            .await
-            .expect("the read answers");
-        let claim = path
-            .take(candidates, Duration::from_secs(60))
-            .await
-            .expect("the take answers");
-        let ops = asked.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        (claim, ops)
+        (
+            ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date])),
+            asked,
+        )
     }
 
     fn names(ops: &[Op]) -> Vec<&'static str> {
@@ -679,31 +689,12 @@ mod tests {
     /// for the next full read.
     #[tokio::test]
     async fn a_batch_of_undecodable_times_sets_no_bound_to_the_next_read() {
-        let asked: Arc<Mutex<Vec<Op>>> = Arc::default();
-        let ops = asked.clone();
-        let backend = Answering::new(move |op: Op| {
-            let mut ops = ops.lock().unwrap_or_else(|e| e.into_inner());
-            let reply = match &op {
-                Op::Find { .. } if ops.is_empty() => Reply::Docs(
-                    (0..10)
-                        .map(|_| {
-                            let mut bad = record(-60_000);
-                            bad.insert(field::TIME, "not a date");
-                            bad
-                        })
-                        .collect(),
-                ),
-                _ => Reply::Docs(Vec::new()),
-            };
-            ops.push(op);
-            Ok(reply)
+        let undecodable = (0..10).map(|_| {
+            let mut bad = record(-60_000);
+            bad.insert(field::TIME, "not a date");
+            bad
         });
-        let store = Store::with_backend(
-            Arc::new(backend),
-            &MongoConfig::default(),
-            ServerClock::default(),
-        );
-        let path = ClaimPath::new(store, Shapes::Fixed(vec![Shape::Date]));
+        let (path, asked) = path_over(undecodable.collect(), 0);
         let excluded = ["paused".to_string()];
         for _ in 0..2 {
             path.candidates(10, Duration::ZERO, &excluded)
@@ -731,12 +722,7 @@ mod tests {
     async fn a_record_whose_id_the_read_altered_is_left_out_of_the_take() {
         let mut bad = record(-60_000);
         bad.insert(field::ID, "id-@@@");
-        let mut bytes = bson::to_vec(&bad).expect("bytes");
-        for at in 0..bytes.len() - 2 {
-            if bytes[at..at + 3] == *b"@@@" {
-                bytes[at..at + 3].copy_from_slice(&[0xff, 0xfe, b'x']);
-            }
-        }
+        let bytes = crate::record::tests::not_utf8_at_marks(&bad);
         let read = crate::record::from_stored(bson::RawDocument::from_bytes(&bytes).expect("BSON"));
         let (claim, ops) = claim(vec![read, record(-30_000)], 1, Duration::ZERO).await;
         assert!(!claim.more, "claims again at once");
